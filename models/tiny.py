@@ -1,0 +1,66 @@
+"""Tiny random models of every supported family, for tests that must run in seconds.
+
+Their vocabulary is SmolLM2's (49152) so the default tokenizer fits them all; the rest is small.
+Also the realistic-size random configs used by speed benchmarks (weights random, shapes real).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from enginesmith.errors import UserError
+
+VOCAB = 49152
+
+_TINY: dict[str, dict] = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rope_theta=10000.0, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rope_theta=10000.0, tie_word_embeddings=False),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                    rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                 tie_word_embeddings=True),
+}
+
+# Shapes of real models, random weights: for speed benchmarks only.
+_RANDOM: dict[str, dict] = {
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=True),
+}
+
+
+def names() -> list[str]:
+    return [f"tiny:{n}" for n in _TINY] + [f"random:{n}" for n in _RANDOM]
+
+
+def config_for(spec: str) -> PretrainedConfig:
+    """The config of `tiny:<family>` or `random:<shape>`."""
+    kind, _, name = spec.partition(":")
+    table = {"tiny": _TINY, "random": _RANDOM}.get(kind, {})
+    if name not in table:
+        raise UserError(f"unknown random model {spec!r}", f"use one of: {', '.join(names())}")
+    params = dict(table[name])
+    params.setdefault("vocab_size", VOCAB)
+    params.update(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model_type = params.pop("model_type")
+    return AutoConfig.for_model(model_type, **params)
+
+
+def build(spec: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised model for `spec`; the same seed gives the same weights."""
+    config = config_for(spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config's init is tiny in magnitude; widen it so logits are not all ~0 and tests can fail.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model.eval()

@@ -1,0 +1,85 @@
+"""An Engine over an ONNX Runtime session.
+
+CPU EP everywhere; CUDA EP when onnxruntime-gpu is installed (provider="auto" picks it). Inputs
+and outputs go through one IOBinding per call; the KV cache stays on the session's device.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from enginesmith.errors import UserError
+from enginesmith.runtime.kv_dense import DenseKVCache
+
+_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
+
+
+def _provider(requested: str) -> str:
+    available = ort.get_available_providers()
+    if requested == "auto":
+        return "cuda" if "CUDAExecutionProvider" in available else "cpu"
+    if requested == "cuda" and "CUDAExecutionProvider" not in available:
+        raise UserError("CUDA was requested but this onnxruntime has no CUDA execution provider",
+                        "pip install onnxruntime-gpu, or use --device cpu")
+    if requested not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {requested!r}", "use --device auto, cpu or cuda")
+    return requested
+
+
+class OrtEngine:
+    """forward(ids, mask, positions, cache) -> logits; the cache is advanced in place."""
+
+    def __init__(self, onnx_path: str | Path, device: str = "auto", threads: int | None = None,
+                 optimization: str = "all") -> None:
+        self.device = _provider(device)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = {
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        }[optimization]
+        # Keep blocked-int4 MatMuls at fp accuracy: ORT's default would quantize activations to int8.
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 3
+        providers = ["CPUExecutionProvider"]
+        if self.device == "cuda":
+            if hasattr(ort, "preload_dlls"):
+                ort.preload_dlls()
+            providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
+        self.present_names = [o.name for o in self.session.get_outputs() if o.name.startswith("present.")]
+        first = inputs[self.past_names[0]]
+        self.kv_heads, self.head_dim = int(first.shape[1]), int(first.shape[3])
+        self.kv_dtype = _NP_DTYPES[first.type]
+        logits = self.session.get_outputs()[0]
+        self.vocab = int(logits.shape[-1])
+
+    def new_cache(self, batch: int) -> DenseKVCache:
+        return DenseKVCache.empty(self.past_names, self.present_names, batch, self.kv_heads,
+                                  self.head_dim, self.kv_dtype, self.device)
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                cache: DenseKVCache) -> np.ndarray:
+        """Run one step. input_ids/position_ids [B, S], attention_mask [B, P+S]; logits [B, S, V] fp32."""
+        binding = self.session.io_binding()
+        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                            ("position_ids", position_ids)):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.int64))
+        binding.bind_output("logits", "cpu")
+        cache.bind(binding, self.device)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        cache.advance(outputs[1:])
+        return outputs[0].numpy().astype(np.float32, copy=False)
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,138 @@
+"""`enginesmith build`: model source -> export -> passes -> engine directory (atomically).
+
+The default engine (embedded SmolLM2, fp32, ORT) is built on first use by `run`/`chat` and cached
+under the cache dir, keyed by the source's hash and the build settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from enginesmith import __version__, engine_dir
+from enginesmith.errors import UserError
+from enginesmith.paths import cache_dir
+
+BACKENDS = ("ort",)
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model: str | None = None     # see models.load.resolve
+    dtype: str = "fp32"
+    opset: int = 23
+    backend: str = "ort"
+    passes: tuple = field(default_factory=tuple)  # reserved for the pass pipeline
+
+    def key(self, source_sha: str) -> str:
+        """Cache key of the engine this config builds from a source."""
+        settings = json.dumps({k: v for k, v in asdict(self).items() if k != "model"}, sort_keys=True)
+        return f"{source_sha[:16]}-{hashlib.sha256((settings + __version__).encode()).hexdigest()[:12]}"
+
+
+@contextmanager
+def _stages(names: list[str], enabled: bool = True):
+    """A progress bar over build stages that keeps ticking (elapsed time) during long ones."""
+    bar = tqdm(total=len(names), desc="build", unit="stage", disable=not enabled, file=sys.stderr,
+               bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}] {postfix}",
+               mininterval=0 if sys.stderr.isatty() else 30)
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(1.0 if sys.stderr.isatty() else 30.0):
+            bar.refresh()
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+
+    def stage(name: str):
+        if bar.n or getattr(stage, "started", False):
+            bar.update(1)
+        stage.started = True
+        bar.set_postfix_str(name)
+
+    try:
+        yield stage
+        bar.update(1)
+        bar.set_postfix_str("done")
+    finally:
+        stop.set()
+        thread.join()
+        bar.close()
+
+
+def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = True) -> Path:
+    """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted."""
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    from enginesmith.export.kv_io import KVShape
+    from enginesmith.export.to_onnx import export
+    from enginesmith.models import load as models
+
+    if config.backend not in BACKENDS:
+        raise UserError(f"unknown backend {config.backend!r}", f"use one of: {', '.join(BACKENDS)}")
+    source = models.resolve(config.model)
+    out = Path(out)
+    started = time.time()
+    with engine_dir.write_atomically(out, overwrite=force) as tmp, \
+            _stages(["load", "export", "tokenizer", "manifest"], progress) as stage:
+        stage("load model")
+        loaded = models.load(source)
+        stage("export to ONNX")
+        export(loaded.model, tmp / "model.onnx", dtype=config.dtype, opset=config.opset)
+        stage("tokenizer")
+        loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+        stage("hashes + build.json")
+        cfg = loaded.model.config
+        shape = KVShape.of(cfg)
+        eos = cfg.eos_token_id
+        engine_dir.write_manifest(tmp, {
+            "enginesmith_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": {"kind": source.kind, "path": source.path, "name": source.name, "sha256": source.sha256},
+            "model": {
+                "family": loaded.family.name, "architecture": loaded.family.architecture,
+                "layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                "head_dim": shape.head_dim, "vocab": shape.vocab, "max_positions": shape.max_positions,
+                "eos_token_ids": sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])),
+                "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+            },
+            "graph": "model.onnx",
+            "precision": config.dtype,
+            "opset": config.opset,
+            "passes": list(config.passes),
+            "kv_layout": {"type": "dense", "capacity": shape.max_positions},
+            "backend": {"name": "onnxruntime", "version": ort.__version__},
+            "exporter": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": platform.python_version()},
+            "build_seconds": round(time.time() - started, 1),
+        })
+    return out
+
+
+def default_engine_path(config: BuildConfig) -> Path:
+    from enginesmith.models import load as models
+
+    source = models.resolve(config.model)
+    return cache_dir() / "engines" / config.key(source.sha256)
+
+
+def cached_engine(config: BuildConfig, progress: bool = True) -> Path:
+    """The engine for `config` from the cache, building it first if it is not there yet."""
+    path = default_engine_path(config)
+    if not (path / engine_dir.MANIFEST).is_file():
+        print(f"Building the engine for {config.model or 'the default model (SmolLM2-135M-Instruct)'} "
+              f"once; it is cached in {path}")
+        build(config, path, force=path.exists(), progress=progress)
+    return path

@@ -1,0 +1,53 @@
+"""Open an engine directory: verify build.json, then the backend session and the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+from enginesmith import engine_dir
+from enginesmith.errors import EngineError
+from enginesmith.runtime.ort_engine import OrtEngine
+
+
+@dataclass
+class LoadedEngine:
+    path: Path
+    manifest: dict
+    engine: OrtEngine
+    tokenizer: object
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.manifest["model"]["max_positions"])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.manifest["model"].get("pad_token_id") or 0)
+
+
+def check_backend(manifest: dict) -> None:
+    backend = manifest.get("backend", {})
+    if backend.get("name") != "onnxruntime":
+        raise EngineError(f"this engine was built for backend {backend.get('name')!r}; this runtime runs "
+                          "onnxruntime engines", "rebuild with `enginesmith build --backend ort`")
+    if manifest.get("kv_layout", {}).get("type", "dense") != "dense":
+        raise EngineError(f"KV layout {manifest['kv_layout']['type']!r} is not supported by this runtime",
+                          "rebuild with the dense KV layout")
+
+
+def open_engine(path: str | Path, device: str = "auto", threads: int | None = None,
+                verify_hashes: bool = True) -> LoadedEngine:
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    manifest = engine_dir.verify(path, check_backend, hashes=verify_hashes)
+    try:
+        engine = OrtEngine(path / manifest["graph"], device=device, threads=threads)
+    except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # e.g. opset newer than this ORT
+        raise EngineError(f"onnxruntime {ort.__version__} cannot load {path}: {str(exc).splitlines()[0]}",
+                          "rebuild the engine with this onnxruntime, or install the one it was built with") from None
+    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+    return LoadedEngine(path, manifest, engine, tokenizer)

@@ -1,0 +1,101 @@
+"""Turning next-token logits into token ids: greedy, temperature, top-k, top-p, repetition penalty.
+
+All functions work on a batch: logits [B, V] float32. Randomness comes only from the
+np.random.Generator passed in, so a seed reproduces a run exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from enginesmith.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0              # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off (CTRL-style: divide positive logits, multiply negative)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name, value, rule):
+            raise UserError(f"invalid sampling value {name}={value!r}", f"{name} must be {rule}")
+
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            bad("temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            bad("top_p", self.top_p, "in (0, 1] (1 = off)")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)) \
+                or self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: list[np.ndarray], penalty: float) -> np.ndarray:
+    """Penalize tokens already in each row's context (prompt + generated)."""
+    if penalty == 1.0:
+        return logits
+    logits = logits.copy()
+    for row, ids in enumerate(seen):
+        ids = np.unique(ids)
+        values = logits[row, ids]
+        logits[row, ids] = np.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def filter_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = np.partition(logits, -k, axis=-1)[:, -k][:, None]
+    return np.where(logits < kth, -np.inf, logits)
+
+
+def filter_top_p(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of tokens whose probability mass reaches p (at least one)."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(-logits, axis=-1)
+    sorted_logits = np.take_along_axis(logits, order, axis=-1)
+    probs = _softmax(sorted_logits)
+    mass_before = np.cumsum(probs, axis=-1) - probs
+    drop_sorted = mass_before >= p
+    drop = np.zeros_like(drop_sorted)
+    np.put_along_axis(drop, order, drop_sorted, axis=-1)
+    return np.where(drop, -np.inf, logits)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    x = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams, seen: list[np.ndarray] | None = None) -> np.ndarray:
+    """The distribution sampling draws from, after every processor ([B, V], rows sum to 1)."""
+    logits = apply_repetition_penalty(logits, seen or [], params.repetition_penalty) if seen else logits
+    logits = filter_top_k(logits / params.temperature, params.top_k)
+    return _softmax(filter_top_p(logits, params.top_p))
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           seen: list[np.ndarray] | None = None) -> np.ndarray:
+    """Next token per row: [B] int64."""
+    if params.greedy:
+        if seen and params.repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        return np.argmax(logits, axis=-1).astype(np.int64)
+    probs = probabilities(logits, params, seen)
+    # Inverse-CDF draw per row (one uniform each): exact and reproducible from the seed.
+    u = rng.random((probs.shape[0], 1))
+    cdf = np.cumsum(probs, axis=-1)
+    return np.minimum((cdf < u * cdf[:, -1:]).sum(axis=-1), probs.shape[-1] - 1).astype(np.int64)

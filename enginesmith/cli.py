@@ -165,7 +165,9 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
     from enginesmith.measure import report
 
-    result = report.bench(args)
+    loaded = _open(args)
+    result = report.bench(loaded, args.prompt_tokens, args.new_tokens, args.batch, args.repeats,
+                          compare_hf=args.compare == "hf", threads=args.threads)
     print(json.dumps(result) if args.json else report.format_bench(result))
     return 0
 
@@ -173,7 +175,9 @@ def cmd_bench(args) -> int:
 def cmd_eval(args) -> int:
     from enginesmith.measure import report
 
-    result = report.eval_ppl(args)
+    loaded = _open(args)
+    result = report.eval_ppl(loaded, args.text, args.novel, args.tokens, args.window,
+                             compare_hf=args.compare == "hf")
     print(json.dumps(result) if args.json else report.format_ppl(result))
     return 0
 

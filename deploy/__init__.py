@@ -1,0 +1,1 @@
+"""Deployment: TensorRT lint, Triton Inference Server model repositories, Jetson presets."""

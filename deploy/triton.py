@@ -1,0 +1,211 @@
+"""`enginesmith triton`: an engine directory -> a Triton Inference Server model repository.
+
+    <repo>/<model>/config.pbtxt      python backend, decoupled (one response per text delta)
+    <repo>/<model>/1/model.py        a shim: `from enginesmith.deploy.triton_model import TritonPythonModel`
+    <repo>/<model>/1/engine/         only with copy_engine=True (hard links where the filesystem allows)
+
+The model drives our own runtime (open_engine -> stream) over the engine, so ONNX Runtime and
+TensorRT engines are served the same way; for TensorRT engines the plan and plugin library paths
+are written into the config as parameters (TRT_PLAN, TRT_PLUGINS) and checked here, at write time.
+
+Request tensors (all but text_input optional; names follow Triton's generate extension):
+    text_input [1] string   max_tokens [1] int32   temperature [1] fp32   top_k [1] int32
+    top_p [1] fp32          repetition_penalty [1] fp32   seed [1] int64  stop [-1] string
+    raw [1] bool            system [1] string
+Responses: text_output [1] string (the new text), and on the last one token_ids [-1] int64 (every
+generated id) and finish_reason [1] string ("stop" | "length").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from enginesmith import engine_dir
+from enginesmith.errors import UserError
+
+MODEL_SHIM = '''"""Triton python-backend model written by `enginesmith triton`; the logic lives in the package."""
+from enginesmith.deploy.triton_model import TritonPythonModel  # noqa: F401
+'''
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str          # Triton config type
+    dims: tuple[int, ...] = (1,)
+    optional: bool = True
+
+
+INPUTS = (
+    Tensor("text_input", "TYPE_STRING", optional=False),
+    Tensor("max_tokens", "TYPE_INT32"),
+    Tensor("temperature", "TYPE_FP32"),
+    Tensor("top_k", "TYPE_INT32"),
+    Tensor("top_p", "TYPE_FP32"),
+    Tensor("repetition_penalty", "TYPE_FP32"),
+    Tensor("seed", "TYPE_INT64"),
+    Tensor("stop", "TYPE_STRING", (-1,)),
+    Tensor("raw", "TYPE_BOOL"),
+    Tensor("system", "TYPE_STRING"),
+)
+OUTPUTS = (
+    Tensor("text_output", "TYPE_STRING"),
+    Tensor("token_ids", "TYPE_INT64", (-1,)),
+    Tensor("finish_reason", "TYPE_STRING"),
+)
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What the python model reads from config.pbtxt's parameters (all strings there)."""
+
+    engine: str                       # engine directory, absolute or relative to the model directory
+    device: str = "auto"              # ONNX Runtime: auto | cpu | cuda
+    threads: int = 0                  # intra-op threads, 0 = the backend's default
+    workers: int = 1                  # requests generated at once (each holds its own KV cache)
+    verify_hashes: bool = True        # sha256 every engine file at load (slow for big engines)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def parameters(self) -> dict[str, str]:
+        return {"ENGINE_DIR": self.engine, "DEVICE": self.device, "THREADS": str(self.threads),
+                "WORKERS": str(self.workers), "VERIFY_HASHES": "1" if self.verify_hashes else "0",
+                "DEFAULT_MAX_TOKENS": str(self.max_tokens)}
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> "ModelOptions":
+        def integer(key: str, default: int, low: int) -> int:
+            raw = params.get(key, str(default))
+            try:
+                value = int(raw)
+            except ValueError:
+                raise UserError(f"config parameter {key}={raw!r} is not an integer",
+                                f"set it to an integer >= {low} in config.pbtxt") from None
+            if value < low:
+                raise UserError(f"config parameter {key}={value} is below {low}", "fix config.pbtxt")
+            return value
+
+        if not params.get("ENGINE_DIR"):
+            raise UserError("config.pbtxt has no ENGINE_DIR parameter",
+                            "regenerate the repository with `enginesmith triton`")
+        return cls(engine=params["ENGINE_DIR"], device=params.get("DEVICE", "auto"),
+                   threads=integer("THREADS", 0, 0), workers=integer("WORKERS", 1, 1),
+                   verify_hashes=params.get("VERIFY_HASHES", "1") not in ("0", "false", "False"),
+                   max_tokens=integer("DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS, 1))
+
+
+def _tensor_block(t: Tensor, with_optional: bool) -> str:
+    dims = ", ".join(str(d) for d in t.dims)
+    optional = "\n    optional: true" if with_optional and t.optional else ""
+    return f'  {{\n    name: "{t.name}"\n    data_type: {t.dtype}\n    dims: [ {dims} ]{optional}\n  }}'
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def config_pbtxt(model_name: str, parameters: Mapping[str, str]) -> str:
+    """The model's config.pbtxt: python backend, decoupled, no batching by Triton (we batch)."""
+    inputs = ",\n".join(_tensor_block(t, True) for t in INPUTS)
+    outputs = ",\n".join(_tensor_block(t, False) for t in OUTPUTS)
+    params = "".join(f"parameters: {{\n  key: {_quote(k)}\n  value: {{ string_value: {_quote(v)} }}\n}}\n"
+                     for k, v in parameters.items())
+    return (f"# Written by `enginesmith triton`. Streams one response per text delta (decoupled).\n"
+            f"name: {_quote(model_name)}\n"
+            f'backend: "python"\n'
+            f"max_batch_size: 0\n"
+            f"model_transaction_policy {{\n  decoupled: true\n}}\n"
+            f"input [\n{inputs}\n]\n"
+            f"output [\n{outputs}\n]\n"
+            f"{params}")
+
+
+def _trt_parameters(root: Path, manifest: dict) -> dict[str, str]:
+    """Plan and plugin library paths of a TensorRT engine, checked to exist now, not at load."""
+    backend = manifest.get("backend", {})
+    plan = root / backend.get("plan", "model.plan")
+    if not plan.is_file():
+        raise UserError(f"TensorRT engine {root} has no plan file {plan.name}", "rebuild the engine")
+    plugins = []
+    for entry in backend.get("plugins", []):
+        lib = root / entry["file"]
+        if not lib.is_file():
+            raise UserError(f"plugin library {entry['file']} named by {root}/build.json is missing",
+                            "rebuild the engine, or copy the plugin library back into the engine directory")
+        plugins.append(str(lib.resolve()))
+    return {"TRT_PLAN": str(plan.resolve()), "TRT_PLUGINS": ",".join(plugins)}
+
+
+def _place_engine(src: Path, dst: Path) -> None:
+    """Copy an engine directory, hard-linking files where the filesystem allows (no 2x disk)."""
+    def link_or_copy(s: str, d: str) -> object:
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+        return d
+
+    shutil.copytree(src, dst, copy_function=link_or_copy)
+
+
+def write_model_repository(engine: str | Path, out_repo: str | Path, model_name: str = "enginesmith",
+                           *, execution_env: str | Path | None = None, device: str = "auto",
+                           threads: int = 0, workers: int = 1, copy_engine: bool = False,
+                           verify_hashes: bool = True, max_tokens: int = DEFAULT_MAX_TOKENS,
+                           force: bool = False) -> Path:
+    """Write `<out_repo>/<model_name>/` for `engine`; return that model directory.
+
+    The model directory is written atomically (nothing is left behind on failure); other models in
+    `out_repo` are untouched. `execution_env` is the Python environment Triton's stub runs the
+    model in (EXECUTION_ENV_PATH: a venv directory or a venv-pack tarball with enginesmith and
+    numpy<2 installed); without it, the stub uses the first `python3` on the server's PATH.
+    """
+    engine = Path(engine).resolve()
+    if not model_name or any(c in model_name for c in "/\\ \"'") or model_name.startswith("."):
+        raise UserError(f"invalid model name {model_name!r}", "use letters, digits, '-' or '_'")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}", "use auto, cpu or cuda")
+    if workers < 1 or threads < 0 or max_tokens < 1:
+        raise UserError("workers must be >= 1, threads >= 0 and max_tokens >= 1", "fix the values")
+    manifest = engine_dir.verify(engine, hashes=verify_hashes)
+    backend = manifest.get("backend", {}).get("name")
+    if backend not in ("onnxruntime", "tensorrt"):
+        raise UserError(f"engine {engine} is for backend {backend!r}, which the Triton model cannot serve",
+                        "build it with `enginesmith build --backend ort` or `--backend trt`")
+    options = ModelOptions(engine="1/engine" if copy_engine else str(engine), device=device,
+                           threads=threads, workers=workers, verify_hashes=verify_hashes,
+                           max_tokens=max_tokens)
+    params = options.parameters()
+    if backend == "tensorrt":
+        params.update(_trt_parameters(engine, manifest))
+        if copy_engine:  # point at the copies, relative to the version directory
+            params["TRT_PLAN"] = "1/engine/" + manifest["backend"].get("plan", "model.plan")
+            params["TRT_PLUGINS"] = ",".join("1/engine/" + e["file"] for e in manifest["backend"].get("plugins", []))
+    if execution_env is not None:
+        env = Path(execution_env).resolve()
+        if not (env.is_dir() and (env / "bin" / "python3").exists()) and not env.name.endswith((".tar.gz", ".tgz")):
+            raise UserError(f"execution environment {env} is neither a venv directory nor a venv-pack tarball",
+                            "create one with `python -m venv` and install enginesmith and numpy<2 into it")
+        params["EXECUTION_ENV_PATH"] = str(env)
+    out_repo = Path(out_repo)
+    out_repo.mkdir(parents=True, exist_ok=True)
+    target = out_repo / model_name
+    with engine_dir.write_atomically(target, overwrite=force) as tmp:
+        (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, params))
+        (tmp / "1").mkdir()
+        (tmp / "1" / "model.py").write_text(MODEL_SHIM)
+        if copy_engine:
+            _place_engine(engine, tmp / "1" / "engine")
+    return target
+
+
+def parse_config(text: str) -> Any:
+    """config.pbtxt -> ModelConfig protobuf (schema check; needs tritonclient[grpc])."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())

@@ -1,0 +1,305 @@
+"""ctypes binding over libenginesmith_kernels.so: runs the plugin kernels on torch CUDA tensors
+without TensorRT. Used by tests and benchmarks; the engine itself reaches the kernels through the
+TensorRT plugin library.
+
+Dimension legend: B sequences, Sq query tokens, H query heads, Hkv KV heads, D head size,
+BS page size, NB pages in the pool, MB pages per sequence, T new tokens.
+
+The library is found at $ENGINESMITH_KERNELS_LIB, else <build dir>/libenginesmith_kernels.so with the
+build dir $ENGINESMITH_PLUGINS_BUILD or plugins/build; `build()` makes it with CMake + nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+PLUGINS_DIR = Path(__file__).resolve().parent
+DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
+ALL_ARCHS = "80-real;86-real;87-real;89-real;90"
+
+FLOAT16, BFLOAT16 = 0, 1  # enginesmith::DType
+
+
+class KernelError(RuntimeError):
+    """A kernel-layer call failed; the message is the C++ layer's (it names the input at fault)."""
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("ENGINESMITH_PLUGINS_BUILD", DEFAULT_BUILD_DIR))
+
+
+def build(
+    out_dir: Path | None = None,
+    archs: str = ALL_ARCHS,
+    tensorrt_root: str | None = None,
+    trt_plugins: bool = True,
+    jobs: int = 2,
+) -> Path:
+    """Configure and build plugins/ with CMake (Ninja if present); return the build directory."""
+    out_dir = Path(out_dir or build_dir())
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise KernelError("cmake is not installed")
+    args = [
+        cmake, "-S", str(PLUGINS_DIR), "-B", str(out_dir),
+        f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
+        f"-DENGINESMITH_BUILD_TRT_PLUGINS={'ON' if trt_plugins else 'OFF'}",
+        f"-DPython3_EXECUTABLE={sys.executable}",
+    ]
+    if shutil.which("ninja"):
+        args += ["-G", "Ninja"]
+    if tensorrt_root:
+        args.append(f"-DTENSORRT_ROOT={tensorrt_root}")
+    for cmd in (args, [cmake, "--build", str(out_dir), "-j", str(jobs)]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return out_dir
+
+
+def library_path() -> Path:
+    env = os.environ.get("ENGINESMITH_KERNELS_LIB")
+    return Path(env) if env else build_dir() / "libenginesmith_kernels.so"
+
+
+@lru_cache(maxsize=None)
+def lib() -> ctypes.CDLL:
+    path = library_path()
+    if not path.exists():
+        raise KernelError(f"{path} not found: build it with plugins.kernels.build() or cmake (plugins/README.md)")
+    try:  # torch loads the CUDA runtime its wheels ship (libcudart.so.13) with RTLD_GLOBAL
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    try:  # torch ships cuSPARSELt; load it first so the library's NEEDED entry resolves to the same copy
+        import nvidia.cusparselt  # noqa: F401
+
+        for base in nvidia.cusparselt.__path__:
+            so = Path(base) / "lib" / "libcusparseLt.so.0"
+            if so.exists():
+                ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
+                break
+    except ImportError:
+        pass
+    L = ctypes.CDLL(str(path))
+    P, I, I64, SZ, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float
+    sig = {
+        "es_last_error": (ctypes.c_char_p, []),
+        "es_abi_version": (I, []),
+        "es_paged_attention_limits": (I, [P, P, P, P, P, P]),
+        "es_paged_attention_check": (I, [I, I, I, I, I, I]),
+        "es_paged_attention_plan": (I, [I] * 9 + [P, P]),
+        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P]),
+        "es_write_kv": (I, [P] * 6 + [I] * 6 + [P]),
+        "es_sparse_available": (I, []),
+        "es_check_24_host": (I, [P, I64, I64]),
+        "es_check_24_device": (I, [P, I64, I64, P, P, P]),
+        "es_sparse_gemm_create": (P, [I, I64, I64, P, P]),
+        "es_sparse_gemm_create_from_blob": (P, [P, SZ, P]),
+        "es_sparse_gemm_export": (I, [P, P, P, P]),
+        "es_sparse_gemm_workspace_size": (I, [P, I64, P]),
+        "es_sparse_gemm_run": (I, [P, P, P, I64, P, SZ, P]),
+        "es_sparse_gemm_tune": (I, [P, P, P, I64, P, SZ, P]),
+        "es_sparse_gemm_destroy": (None, [P]),
+    }
+    for name, (res, argtypes) in sig.items():
+        fn = getattr(L, name)
+        fn.restype = res
+        fn.argtypes = argtypes
+    return L
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise KernelError(lib().es_last_error().decode())
+
+
+@dataclass(frozen=True)
+class PagedAttentionLimits:
+    head_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    max_query_len: int
+    max_splits: int
+
+
+def paged_attention_limits() -> PagedAttentionLimits:
+    """The supported head sizes, block sizes and limits, as the C++ layer defines them."""
+    hs, bs = (ctypes.c_int * 8)(), (ctypes.c_int * 8)()
+    nh, nb, mq, ms = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    _check(lib().es_paged_attention_limits(hs, ctypes.byref(nh), bs, ctypes.byref(nb), ctypes.byref(mq), ctypes.byref(ms)))
+    return PagedAttentionLimits(tuple(hs[: nh.value]), tuple(bs[: nb.value]), mq.value, ms.value)
+
+
+def check_paged_attention_config(dtype: int, head_size: int, block_size: int, num_heads: int, num_kv_heads: int, query_len: int) -> None:
+    """Raise KernelError with the C++ layer's reason if the configuration is unsupported."""
+    _check(lib().es_paged_attention_check(dtype, head_size, block_size, num_heads, num_kv_heads, query_len))
+
+
+def _torch_dtype_code(t) -> int:
+    import torch
+
+    if t.dtype == torch.float16:
+        return FLOAT16
+    if t.dtype == torch.bfloat16:
+        return BFLOAT16
+    raise KernelError(f"dtype {t.dtype} is not supported (float16, bfloat16)")
+
+
+def _stream():
+    import torch
+
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def paged_attention_plan(batch, query_len, num_heads, num_kv_heads, head_size, block_size, max_blocks, num_splits=0,
+                         dtype=FLOAT16):
+    """(splits, workspace bytes) the launcher uses for these shapes (num_splits=0: its own choice)."""
+    splits, ws = ctypes.c_int(), ctypes.c_size_t()
+    _check(lib().es_paged_attention_plan(batch, query_len, num_heads, num_kv_heads, head_size, block_size,
+                                         max_blocks, num_splits, dtype, ctypes.byref(splits), ctypes.byref(ws)))
+    return splits.value, ws.value
+
+
+class PagedAttention:
+    """Preallocates the workspace and error flag once; call like a function (benchmarks reuse it)."""
+
+    def __init__(self, query, k_cache, v_cache, block_tables, num_splits: int = 0, scale: float = 0.0):
+        import torch
+
+        B, Sq, H, D = query.shape
+        NB, BS, Hkv, D2 = k_cache.shape
+        assert D2 == D and v_cache.shape == k_cache.shape, "k_cache/v_cache must be [NB, BS, Hkv, D]"
+        self.shape = (B, Sq, H, Hkv, D, BS, NB, block_tables.shape[1])
+        self.dtype = _torch_dtype_code(query)
+        self.splits, ws = paged_attention_plan(B, Sq, H, Hkv, D, BS, block_tables.shape[1], num_splits, self.dtype)
+        self.workspace = torch.empty(max(ws, 16), dtype=torch.uint8, device=query.device)
+        self.ws_bytes = ws
+        self.error_flag = torch.zeros(1, dtype=torch.int32, device=query.device)
+        self.scale = scale
+
+    def __call__(self, query, k_cache, v_cache, block_tables, context_lens, out=None):
+        import torch
+
+        B, Sq, H, Hkv, D, BS, NB, MB = self.shape
+        for name, t, dt in (("block_tables", block_tables, torch.int32), ("context_lens", context_lens, torch.int32)):
+            if t.dtype != dt or not t.is_contiguous():
+                raise KernelError(f"{name} must be a contiguous int32 tensor")
+        if out is None:
+            out = torch.empty_like(query)
+        _check(lib().es_paged_attention(
+            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), self.workspace.data_ptr(), self.ws_bytes,
+            self.error_flag.data_ptr(), B, Sq, H, Hkv, D, BS, NB, MB, self.splits, self.scale, self.dtype, _stream()))
+        return out
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, context_lens, num_splits: int = 0, scale: float = 0.0):
+    """out [B, Sq, H, D] (see paged_attention.h). Returns (out, error_flag int)."""
+    op = PagedAttention(query, k_cache, v_cache, block_tables, num_splits, scale)
+    out = op(query, k_cache, v_cache, block_tables, context_lens)
+    return out, int(op.error_flag.item())
+
+
+def write_kv(key, value, slot_mapping, k_cache, v_cache) -> int:
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int32, -1 skips). Returns the error flag."""
+    import torch
+
+    T, Hkv, D = key.shape
+    NB, BS = k_cache.shape[:2]
+    flag = torch.zeros(1, dtype=torch.int32, device=key.device)
+    _check(lib().es_write_kv(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
+                             v_cache.data_ptr(), flag.data_ptr(), T, Hkv, D, BS, NB, _torch_dtype_code(key), _stream()))
+    return int(flag.item())
+
+
+def sparse_available() -> bool:
+    return bool(lib().es_sparse_available())
+
+
+def check_24_host(weight_u16) -> None:
+    """Validate a 2:4 pattern on the host: weight is a numpy uint16/float16 array [N, K]."""
+    import numpy as np
+
+    w = np.ascontiguousarray(weight_u16).view(np.uint16)
+    _check(lib().es_check_24_host(w.ctypes.data, w.shape[0], w.shape[1]))
+
+
+def check_24_device(weight) -> tuple[int, int]:
+    """(bad groups, first bad group index or -1) for a CUDA fp16/bf16 weight [N, K]; raises if bad."""
+    bad, first = ctypes.c_int64(), ctypes.c_int64()
+    rc = lib().es_check_24_device(weight.data_ptr(), weight.shape[0], weight.shape[1], ctypes.byref(bad),
+                                  ctypes.byref(first), _stream())
+    _check(rc)
+    return bad.value, first.value
+
+
+class SparseGemm24:
+    """Y[M, N] = X[M, K] · Wᵀ with W [N, K] 2:4 sparse, compressed once at construction."""
+
+    def __init__(self, weight=None, blob: bytes | None = None):
+        import torch
+
+        if blob is not None:
+            self._n = struct.unpack_from("<q", blob, 24)[0]  # BlobHeader.n (sparse_gemm.cpp)
+            buf = ctypes.create_string_buffer(blob, len(blob))
+            h = lib().es_sparse_gemm_create_from_blob(buf, len(blob), _stream())
+        else:
+            w = weight.contiguous()
+            self._n = w.shape[0]
+            h = lib().es_sparse_gemm_create(_torch_dtype_code(w), w.shape[0], w.shape[1], w.data_ptr(), _stream())
+        if not h:
+            raise KernelError(lib().es_last_error().decode())
+        self._h = ctypes.c_void_p(h)
+        self._ws = torch.empty(0, dtype=torch.uint8, device="cuda")
+
+    def __del__(self):
+        h = getattr(self, "_h", None)
+        if h:
+            lib().es_sparse_gemm_destroy(h)
+
+    def _workspace(self, m: int):
+        import torch
+
+        need = ctypes.c_size_t()
+        _check(lib().es_sparse_gemm_workspace_size(self._h, m, ctypes.byref(need)))
+        if need.value > self._ws.numel():
+            self._ws = torch.empty(need.value, dtype=torch.uint8, device="cuda")
+        return self._ws
+
+    def __call__(self, x, out=None):
+        import torch
+
+        M = x.shape[0]
+        if out is None:
+            out = torch.empty(M, self.n, dtype=x.dtype, device=x.device)
+        ws = self._workspace(M)
+        _check(lib().es_sparse_gemm_run(self._h, x.data_ptr(), out.data_ptr(), M, ws.data_ptr(), ws.numel(), _stream()))
+        return out
+
+    def tune(self, x, out) -> None:
+        """Let cuSPARSELt time its algorithms for this M and keep the fastest."""
+        import torch
+
+        M = x.shape[0]
+        self._ws = torch.empty(max(self._ws.numel(), 256 << 20), dtype=torch.uint8, device="cuda")
+        _check(lib().es_sparse_gemm_tune(self._h, x.data_ptr(), out.data_ptr(), M, self._ws.data_ptr(),
+                                         self._ws.numel(), _stream()))
+
+    @property
+    def n(self) -> int:
+        return self._n
+
+    def export(self) -> bytes:
+        size = ctypes.c_size_t()
+        _check(lib().es_sparse_gemm_export(self._h, None, ctypes.byref(size), _stream()))
+        buf = ctypes.create_string_buffer(size.value)
+        _check(lib().es_sparse_gemm_export(self._h, buf, ctypes.byref(size), _stream()))
+        return buf.raw[: size.value]

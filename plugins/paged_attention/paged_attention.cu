@@ -1,0 +1,209 @@
+// Paged attention: launcher and dispatch table (layers 2 and 3). Kernels: paged_attention_kernels.cuh.
+#include <algorithm>
+#include <atomic>
+#include <string>
+
+#include "paged_attention.h"
+#include "paged_attention_kernels.cuh"
+
+namespace enginesmith {
+namespace paged_attention {
+namespace {
+
+using KernelFn = void (*)(Params, int);
+using ReduceFn = void (*)(Params, int, int);
+
+struct Entry {
+    DType dtype;
+    int head_size;
+    int block_size;
+    KernelFn kernel;
+    ReduceFn reduce;
+    size_t smem;
+    std::atomic<bool>* smem_configured;
+    std::atomic<int>* slots;  // cached resident_slots (0 = not yet asked)
+};
+
+template <typename T, int D, int BS>
+Entry make_entry(DType dtype) {
+    static std::atomic<bool> configured{false};
+    static std::atomic<int> slots{0};
+    return Entry{dtype, D, BS, &detail::paged_attention_kernel<T, D, BS>, &detail::paged_attention_reduce_kernel<T, D>,
+        detail::smem_bytes<T, D>(), &configured, &slots};
+}
+
+// The dispatch table: every (dtype, head size, block size) with a compiled kernel. Anything else is
+// reported by check_config with the supported values.
+Entry const* find_entry(DType dtype, int head_size, int block_size) {
+    static Entry const kTable[] = {
+        make_entry<__half, 64, 16>(DType::kFloat16),
+        make_entry<__half, 64, 32>(DType::kFloat16),
+        make_entry<__half, 64, 64>(DType::kFloat16),
+        make_entry<__half, 128, 16>(DType::kFloat16),
+        make_entry<__half, 128, 32>(DType::kFloat16),
+        make_entry<__half, 128, 64>(DType::kFloat16),
+        make_entry<__nv_bfloat16, 64, 16>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 64, 32>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 64, 64>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 128, 16>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 128, 32>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 128, 64>(DType::kBFloat16),
+    };
+    for (Entry const& e : kTable)
+        if (e.dtype == dtype && e.head_size == head_size && e.block_size == block_size) return &e;
+    return nullptr;
+}
+
+template <size_t N>
+std::string join(int const (&values)[N]) {
+    std::string s;
+    for (size_t i = 0; i < N; ++i) s += (i ? ", " : "") + std::to_string(values[i]);
+    return s;
+}
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+Status check_config(DType dtype, int head_size, int block_size, int num_heads, int num_kv_heads, int query_len) {
+    if (dtype != DType::kFloat16 && dtype != DType::kBFloat16)
+        return Status::Error("paged attention: dtype must be float16 or bfloat16");
+    if (std::find(std::begin(kSupportedHeadSizes), std::end(kSupportedHeadSizes), head_size) ==
+        std::end(kSupportedHeadSizes))
+        return Status::Error("paged attention: head size " + std::to_string(head_size) +
+                             " is not supported (supported: " + join(kSupportedHeadSizes) + ")");
+    if (std::find(std::begin(kSupportedBlockSizes), std::end(kSupportedBlockSizes), block_size) ==
+        std::end(kSupportedBlockSizes))
+        return Status::Error("paged attention: block size " + std::to_string(block_size) +
+                             " is not supported (supported: " + join(kSupportedBlockSizes) + ")");
+    if (num_kv_heads <= 0 || num_heads <= 0 || num_heads % num_kv_heads != 0)
+        return Status::Error("paged attention: num_heads (" + std::to_string(num_heads) +
+                             ") must be a positive multiple of num_kv_heads (" + std::to_string(num_kv_heads) + ")");
+    if (query_len < 1 || query_len > kMaxQueryLen)
+        return Status::Error("paged attention: query length " + std::to_string(query_len) + " is outside [1, " +
+                             std::to_string(kMaxQueryLen) + "]; run longer prompts through the prefill path");
+    if (find_entry(dtype, head_size, block_size) == nullptr)
+        return Status::Error(std::string("paged attention: no kernel compiled for dtype=") + dtypeName(dtype) +
+                             " head_size=" + std::to_string(head_size) + " block_size=" + std::to_string(block_size));
+    return Status::Ok();
+}
+
+static Status configure_smem(Entry const* e) {
+    if (!e->smem_configured->load(std::memory_order_acquire)) {
+        ES_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(reinterpret_cast<void const*>(e->kernel),
+            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(e->smem)));
+        e->smem_configured->store(true, std::memory_order_release);
+    }
+    return Status::Ok();
+}
+
+Status resident_slots(DType dtype, int head_size, int block_size, int* slots) {
+    Entry const* e = find_entry(dtype, head_size, block_size);
+    if (e == nullptr) return check_config(dtype, head_size, block_size, 1, 1, 1);
+    int cached = e->slots->load(std::memory_order_acquire);
+    if (cached == 0) {  // one GPU kind per process is assumed (as TensorRT engines do)
+        ES_RETURN_IF_ERROR(configure_smem(e));
+        int dev = 0, sms = 0, per_sm = 0;
+        ES_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
+        ES_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        ES_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, reinterpret_cast<void const*>(e->kernel), detail::kThreads, e->smem));
+        cached = std::max(1, sms * std::max(per_sm, 1));
+        e->slots->store(cached, std::memory_order_release);
+    }
+    *slots = cached;
+    return Status::Ok();
+}
+
+int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
+    int block_size, int slots) {
+    if (batch <= 0 || num_kv_heads <= 0) return 1;
+    const int row_blocks = ceil_div(num_heads / num_kv_heads * query_len, kRowsPerCta);
+    const int base = batch * num_kv_heads * row_blocks;
+    const int want = std::max(1, std::max(slots, 1) / base);  // at most one full wave
+    const int by_len = std::max(1, max_blocks_per_seq * block_size / kMinTokensPerSplit);
+    return std::max(1, std::min({want, by_len, kMaxSplits}));
+}
+
+size_t workspace_size(int batch, int query_len, int num_heads, int head_size, int num_splits) {
+    if (num_splits <= 1) return 0;
+    const size_t rows = static_cast<size_t>(batch) * query_len * num_heads * num_splits;
+    return align_up(rows * head_size * sizeof(float), 256) + align_up(rows * sizeof(float), 256);
+}
+
+size_t workspace_bound(int max_batch, int max_query_len, int num_heads, int num_kv_heads, int head_size,
+    int block_size, int max_blocks_per_seq, int max_splits) {
+    size_t bound = 0;
+    for (int b = 1; b <= max_batch; ++b)
+        for (int s = 1; s <= max_query_len; ++s) {
+            const int splits = std::min(max_splits,
+                choose_num_splits(b, s, num_heads, num_kv_heads, max_blocks_per_seq, block_size, kSlotBudget));
+            bound = std::max(bound, workspace_size(b, s, num_heads, head_size, splits));
+        }
+    return bound;
+}
+
+Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes, int slots, cudaStream_t stream) {
+    ES_RETURN_IF_ERROR(check_config(p.dtype, p.head_size, p.block_size, p.num_heads, p.num_kv_heads, p.query_len));
+    if (p.batch <= 0) return Status::Ok();
+    if (p.max_blocks_per_seq <= 0 || p.num_blocks <= 0)
+        return Status::Error("paged attention: block table width and page count must be positive");
+    if (!p.query || !p.k_cache || !p.v_cache || !p.block_tables || !p.context_lens || !p.out)
+        return Status::Error("paged attention: a required pointer is null");
+    Entry const* e = find_entry(p.dtype, p.head_size, p.block_size);
+    ES_RETURN_IF_ERROR(configure_smem(e));
+    if (p.num_splits <= 0 && slots <= 0) ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots));
+    int splits = p.num_splits > 0 ? p.num_splits
+                                  : choose_num_splits(p.batch, p.query_len, p.num_heads, p.num_kv_heads,
+                                        p.max_blocks_per_seq, p.block_size, slots);
+    if (splits > kMaxSplits)
+        return Status::Error("paged attention: num_splits " + std::to_string(splits) + " exceeds " +
+                             std::to_string(kMaxSplits));
+    const size_t need = workspace_size(p.batch, p.query_len, p.num_heads, p.head_size, splits);
+    if (need > workspace_bytes || (need > 0 && workspace == nullptr))
+        return Status::Error("paged attention: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                             std::to_string(need) + " needed for " + std::to_string(splits) + " splits");
+    if (splits > 1) {
+        const size_t rows = static_cast<size_t>(p.batch) * p.query_len * p.num_heads * splits;
+        p.partial_out = static_cast<float*>(workspace);
+        p.partial_lse = reinterpret_cast<float*>(
+            static_cast<char*>(workspace) + align_up(rows * p.head_size * sizeof(float), 256));
+    }
+    p.num_splits = splits;
+
+    const int group = p.num_heads / p.num_kv_heads;
+    const int row_blocks = ceil_div(group * p.query_len, kRowsPerCta);
+    const dim3 grid(splits, p.num_kv_heads * row_blocks, p.batch);
+    if (grid.y > 65535 || grid.z > 65535) return Status::Error("paged attention: batch or heads exceed the grid limit");
+    e->kernel<<<grid, detail::kThreads, e->smem, stream>>>(p, row_blocks);
+    ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    if (splits > 1) {
+        const int rows = p.batch * p.query_len * p.num_heads;
+        e->reduce<<<rows, 128, 0, stream>>>(p, rows, splits);
+        ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    }
+    return Status::Ok();
+}
+
+Status launch_write_kv(WriteKVParams const& p, cudaStream_t stream) {
+    if (std::find(std::begin(kSupportedHeadSizes), std::end(kSupportedHeadSizes), p.head_size) ==
+        std::end(kSupportedHeadSizes))
+        return Status::Error("write kv: head size " + std::to_string(p.head_size) + " is not supported (supported: " +
+                             join(kSupportedHeadSizes) + ")");
+    if (std::find(std::begin(kSupportedBlockSizes), std::end(kSupportedBlockSizes), p.block_size) ==
+        std::end(kSupportedBlockSizes))
+        return Status::Error("write kv: block size " + std::to_string(p.block_size) +
+                             " is not supported (supported: " + join(kSupportedBlockSizes) + ")");
+    if (p.num_tokens <= 0) return Status::Ok();
+    if (!p.key || !p.value || !p.slot_mapping || !p.k_cache || !p.v_cache)
+        return Status::Error("write kv: a required pointer is null");
+    const int chunks = p.num_kv_heads * p.head_size * 2 / 16;  // 16-bit elements, 16-byte chunks
+    detail::write_kv_kernel<<<p.num_tokens, std::min(256, ((chunks + 31) / 32) * 32), 0, stream>>>(p, chunks);
+    ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return Status::Ok();
+}
+
+}  // namespace paged_attention
+}  // namespace enginesmith

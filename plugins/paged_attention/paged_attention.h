@@ -1,0 +1,129 @@
+// Paged attention: attention of a few new query tokens over a KV cache kept in fixed-size pages.
+//
+// Dimension legend
+//   B    sequences in the batch            Sq   query tokens per sequence (1 = decode, <= kMaxQueryLen)
+//   H    query heads                       Hkv  key/value heads (GQA: G = H / Hkv query heads share one)
+//   D    head size (kSupportedHeadSizes)   BS   tokens per page (kSupportedBlockSizes)
+//   NB   pages in the pool                 MB   page slots per sequence in the block table
+//   T    new tokens written by the slot mapping (usually B * Sq)
+//
+// Layout (all row-major, contiguous)
+//   query        [B, Sq, H, D]   fp16 | bf16
+//   k_cache      [NB, BS, Hkv, D] same dtype; v_cache likewise
+//   block_tables [B, MB] int32   page of the sequence's i-th block of BS tokens
+//   context_lens [B] int32       tokens in the cache for the sequence, the Sq new ones included
+//   out          [B, Sq, H, D]
+// Query token s of sequence b sits at position context_lens[b] - Sq + s and attends causally to the
+// cache positions 0 .. context_lens[b] - Sq + s.
+//
+// Long contexts are split across thread blocks (flash-decoding): each of num_splits blocks of a
+// (sequence, KV head) reads its own range of the cache once and writes a partial output and its
+// log-sum-exp to the workspace; a reduction kernel merges them. One block serves all G query heads of
+// its KV head and all Sq query tokens (rows = G*Sq, 16 per block), so each KV byte is read once.
+//
+// Bad data on the device (a page index outside [0, NB), a context length outside [Sq, MB*BS], a slot
+// outside the pool) cannot be reported synchronously: the kernels write NaN to the affected outputs
+// (never a plausible wrong number) and set *error_flag (if given) to a nonzero kError* bit.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/status.h"
+
+namespace enginesmith {
+namespace paged_attention {
+
+// Limits, defined once. The Python binding reads them through the C API (es_paged_attention_limits).
+constexpr int kSupportedHeadSizes[] = {64, 128};
+constexpr int kSupportedBlockSizes[] = {16, 32, 64};
+constexpr int kMaxQueryLen = 16;  // multi-token queries: speculative verification, chunked prefill
+constexpr int kMaxSplits = 256;   // flash-decoding splits per (sequence, KV head, row block)
+constexpr int kRowsPerCta = 16;   // one m16 MMA tile of (query token, head in group) rows
+constexpr int kTileTokens = 64;   // KV tokens staged in shared memory per pipeline step
+constexpr int kMinTokensPerSplit = 128;
+
+// Error bits written to *error_flag by the kernels.
+constexpr int32_t kErrorBlockTable = 1;     // a page index outside [0, NB)
+constexpr int32_t kErrorContextLen = 2;     // context_lens[b] outside [Sq, MB * BS]
+constexpr int32_t kErrorSlotMapping = 4;    // a slot outside [0, NB * BS) (and not -1)
+
+struct Params {
+    void const* query = nullptr;            // [B, Sq, H, D]
+    void const* k_cache = nullptr;          // [NB, BS, Hkv, D]
+    void const* v_cache = nullptr;          // [NB, BS, Hkv, D]
+    int32_t const* block_tables = nullptr;  // [B, MB]
+    int32_t const* context_lens = nullptr;  // [B]
+    void* out = nullptr;                    // [B, Sq, H, D]
+    float* partial_out = nullptr;           // workspace [B, Sq, H, num_splits, D]  (num_splits > 1)
+    float* partial_lse = nullptr;           // workspace [B, Sq, H, num_splits]     (log2 domain)
+    int32_t* error_flag = nullptr;          // optional, one int32 on the device, OR-ed with kError*
+
+    int batch = 0;                // B
+    int query_len = 1;            // Sq
+    int num_heads = 0;            // H
+    int num_kv_heads = 0;         // Hkv
+    int head_size = 0;            // D
+    int block_size = 0;           // BS
+    int num_blocks = 0;           // NB
+    int max_blocks_per_seq = 0;   // MB
+    int num_splits = 0;           // 0: choose (choose_num_splits); else forced, <= kMaxSplits
+    float scale = 0.f;            // softmax scale; 0 means 1/sqrt(D)
+    DType dtype = DType::kFloat16;
+};
+
+struct WriteKVParams {
+    void const* key = nullptr;             // [T, Hkv, D]
+    void const* value = nullptr;           // [T, Hkv, D]
+    int32_t const* slot_mapping = nullptr; // [T] page * BS + offset; -1 skips the token (padding)
+    void* k_cache = nullptr;               // [NB, BS, Hkv, D]
+    void* v_cache = nullptr;               // [NB, BS, Hkv, D]
+    int32_t* error_flag = nullptr;         // optional
+    int num_tokens = 0;                    // T
+    int num_kv_heads = 0;
+    int head_size = 0;
+    int block_size = 0;
+    int num_blocks = 0;
+    DType dtype = DType::kFloat16;
+};
+
+// Shape/type checks shared by the launcher, the binding and the TensorRT wrapper. A failure says
+// which value is unsupported and what is supported.
+Status check_config(DType dtype, int head_size, int block_size, int num_heads, int num_kv_heads, int query_len);
+
+// Resident thread-block slots for this kernel on the current GPU: SMs x blocks per SM (from the
+// occupancy calculator; it depends on dtype/head size through registers and shared memory).
+Status resident_slots(DType dtype, int head_size, int block_size, int* slots);
+
+// The split count the launcher uses when Params::num_splits == 0: about one full wave of blocks
+// (`slots`, from resident_slots), at least kMinTokensPerSplit tokens per split. It depends only on
+// host-known shapes (the block table width bounds the context), so the TensorRT wrapper can size its
+// workspace from the profile's maximum shapes.
+int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
+    int block_size, int slots);
+
+// Workspace bytes for the partial outputs of num_splits splits (0 when num_splits <= 1).
+size_t workspace_size(int batch, int query_len, int num_heads, int head_size, int num_splits);
+
+// Slots assumed when sizing a workspace before the GPU is known (256 SMs x 4 blocks; an H200 has
+// 132 x 2 for D = 128). Callers clamp resident_slots() to it.
+constexpr int kSlotBudget = 1024;
+
+// A workspace that fits every shape up to these maxima when the splits are chosen by
+// choose_num_splits(..., min(slots, kSlotBudget)) and capped at max_splits. Used by the TensorRT
+// wrapper, which must size its workspace from the profile's maximum shapes.
+size_t workspace_bound(int max_batch, int max_query_len, int num_heads, int num_kv_heads, int head_size,
+    int block_size, int max_blocks_per_seq, int max_splits);
+
+// Launch attention (and the reduction when split) on `stream`. `workspace` must hold
+// workspace_size(...) bytes for the split count in use; p.num_splits == 0 picks it from `slots`
+// (<= 0: resident_slots()).
+Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes, int slots, cudaStream_t stream);
+
+// Write T new tokens' K and V into the cache pages through the slot mapping.
+Status launch_write_kv(WriteKVParams const& p, cudaStream_t stream);
+
+}  // namespace paged_attention
+}  // namespace enginesmith

@@ -1,0 +1,406 @@
+// Paged attention kernels (layer 1 of 4: kernel -> launcher -> dispatch -> TensorRT wrapper).
+// Legend and layouts: paged_attention.h.
+//
+// One thread block = (split, KV head, 16-row block of the G*Sq query rows, sequence).
+//
+//   cache pages ──cp.async──▶ smem K/V tile [64 tokens][D] (kStages in flight)
+//        warp w takes tokens 16w..16w+15 of the tile:
+//          S[16 rows x 16 tok] = Q·Kᵀ   (mma m16n8k16, K via ldmatrix)
+//          online softmax (running max m, sum l per row, exp2 domain)
+//          O[16 x D] += P·V            (P reused from S registers, V via ldmatrix.trans)
+//   end: merge the 4 warps' (m, l, O) in smem ─▶ out (1 split) | partial out + lse (n splits)
+//   reduce kernel: out = Σ_i 2^(lse_i - M) · o_i / Σ_i 2^(lse_i - M)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "../common/mma.cuh"
+#include "paged_attention.h"
+
+namespace enginesmith {
+namespace paged_attention {
+namespace detail {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+#ifndef ES_PAGED_ATTENTION_STAGES
+#define ES_PAGED_ATTENTION_STAGES 3  // 2 ran ~76 % of copy bandwidth at batch 64 on an H200, 3 ran ~90 %
+#endif
+constexpr int kStages = ES_PAGED_ATTENTION_STAGES;  // K/V tiles in flight per block (cp.async pipeline)
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared-memory row stride in elements: +8 elements (16 B) puts the 8 rows an ldmatrix reads in
+// 8 different bank groups.
+template <int D>
+__host__ __device__ constexpr int smem_stride() { return D + 8; }
+
+template <typename T, int D>
+__host__ __device__ constexpr size_t smem_bytes() {
+    return static_cast<size_t>(kRowsPerCta + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+}
+
+template <typename T, int D, int BS>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int row_blocks) {
+    static_assert(D % 16 == 0 && D <= 256, "head size must be a multiple of 16, at most 256");
+    static_assert(kTileTokens % BS == 0, "a tile must cover whole pages");
+    static_assert(kWarps * 16 == kTileTokens, "each warp takes 16 tokens of a tile");
+    // The epilogue reuses the K stages as a float [kWarps][16][D] merge buffer.
+    static_assert(kWarps * kRowsPerCta * D * sizeof(float) <= kStages * kTileTokens * smem_stride<D>() * sizeof(T),
+        "merge buffer does not fit in the K stages");
+    constexpr int kStride = smem_stride<D>();
+    constexpr int kChunks = D / 8;  // 16-byte chunks per token row of one head
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);          // [16][kStride]
+    T* sK = sQ + kRowsPerCta * kStride;              // [kStages][kTileTokens][kStride]
+    T* sV = sK + kStages * kTileTokens * kStride;    // [kStages][kTileTokens][kStride]
+    __shared__ int s_bad;
+    __shared__ float s_m[kWarps][kRowsPerCta];
+    __shared__ float s_l[kWarps][kRowsPerCta];
+    __shared__ float s_row_max[kRowsPerCta];
+    __shared__ float s_row_sum[kRowsPerCta];
+
+    const int split = blockIdx.x;
+    const int num_splits = gridDim.x;
+    const int kvh = blockIdx.y / row_blocks;
+    const int row0 = (blockIdx.y % row_blocks) * kRowsPerCta;
+    const int b = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int group = p.num_heads / p.num_kv_heads;  // G
+    const int rows_total = group * p.query_len;      // G * Sq
+    const int Hkv = p.num_kv_heads;
+
+    if (threadIdx.x == 0) s_bad = 0;
+
+    const int ctx = p.context_lens[b];
+    const bool bad_ctx = ctx < p.query_len || ctx > p.max_blocks_per_seq * BS;
+    const int ctx_eff = bad_ctx ? 0 : ctx;
+    // This split's token range [t_begin, t_end), whole tiles except the last.
+    int per_split = (ctx_eff + num_splits - 1) / num_splits;
+    per_split = (per_split + kTileTokens - 1) / kTileTokens * kTileTokens;
+    const int t_begin = split * per_split;
+    const int t_end = min(ctx_eff, t_begin + per_split);
+    const int num_tiles = t_end > t_begin ? (t_end - t_begin + kTileTokens - 1) / kTileTokens : 0;
+    __syncthreads();
+
+    T const* query = static_cast<T const*>(p.query);
+    T const* k_cache = static_cast<T const*>(p.k_cache);
+    T const* v_cache = static_cast<T const*>(p.v_cache);
+    int32_t const* table = p.block_tables + static_cast<size_t>(b) * p.max_blocks_per_seq;
+
+    // Q rows of this block: row r = s * G + g  ->  query[b, s, kvh * G + g, :]; padding rows are zero.
+    for (int i = threadIdx.x; i < kRowsPerCta * kChunks; i += kThreads) {
+        const int r = i / kChunks, c = i % kChunks;
+        const int row = row0 + r;
+        const bool valid = row < rows_total;
+        T const* src = query;
+        if (valid) {
+            const int s = row / group, g = row % group;
+            src = query + ((static_cast<size_t>(b) * p.query_len + s) * p.num_heads + kvh * group + g) * D + c * 8;
+        }
+        ptx::cp_async_16(sQ + r * kStride + c * 8, src, valid);
+    }
+    ptx::cp_async_commit();
+
+    auto load_tile = [&](int tile, int stage) {
+        const int t0 = t_begin + tile * kTileTokens;
+        T* dk = sK + stage * kTileTokens * kStride;
+        T* dv = sV + stage * kTileTokens * kStride;
+#pragma unroll
+        for (int it = 0; it < kTileTokens * kChunks / kThreads; ++it) {
+            const int i = threadIdx.x + it * kThreads;
+            const int tok = i / kChunks, c = i % kChunks;
+            const int t = t0 + tok;
+            bool valid = t < t_end;
+            size_t off = 0;
+            if (valid) {
+                const int page = __ldg(table + t / BS);
+                if (page < 0 || page >= p.num_blocks) {
+                    s_bad = 1;  // every writer stores 1: the race is benign
+                    valid = false;
+                } else {
+                    off = ((static_cast<size_t>(page) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
+                }
+            }
+            ptx::cp_async_16(dk + tok * kStride + c * 8, k_cache + off, valid);
+            ptx::cp_async_16(dv + tok * kStride + c * 8, v_cache + off, valid);
+        }
+        ptx::cp_async_commit();
+    };
+
+    const int gid = lane >> 2;  // row within the m16 tile (and +8)
+    const int tig = lane & 3;   // thread in group: column pair
+    const int mi = lane >> 3;   // which 8x8 matrix this lane addresses in an ldmatrix.x4
+    const int r8 = lane & 7;    // which row of it
+    const float scale_log2 = (p.scale > 0.f ? p.scale : rsqrtf(static_cast<float>(D))) * kLog2e;
+
+    // Exclusive causal limit per owned row: row (s) sees positions < ctx - Sq + s + 1.
+    int limit[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = row0 + gid + 8 * i;
+        const int s = row < rows_total ? row / group : p.query_len - 1;
+        limit[i] = min(t_end, ctx_eff - p.query_len + s + 1);
+    }
+
+    uint32_t qf[D / 16][4];
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+
+    // Prologue: kStages - 1 tiles in flight; every step then issues one more and waits for the oldest.
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (i < num_tiles) {
+            load_tile(i, i);
+        } else {
+            ptx::cp_async_commit();  // keep the group count uniform
+        }
+    }
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int next = tile + kStages - 1;
+        if (next < num_tiles) {
+            load_tile(next, next % kStages);
+        } else {
+            ptx::cp_async_commit();
+        }
+        ptx::cp_async_wait<kStages - 1>();
+        __syncthreads();
+        if (tile == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                ptx::ldmatrix_x4(qf[kk], sQ + ((mi & 1) * 8 + r8) * kStride + kk * 16 + (mi >> 1) * 8);
+        }
+        T const* tk = sK + (tile % kStages) * kTileTokens * kStride + warp * 16 * kStride;
+        T const* tv = sV + (tile % kStages) * kTileTokens * kStride + warp * 16 * kStride;
+
+        // S = Q Kᵀ for this warp's 16 tokens: two n8 tiles.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t kb[4];
+            ptx::ldmatrix_x4(kb, tk + ((mi >> 1) * 8 + r8) * kStride + kk * 16 + (mi & 1) * 8);
+            ptx::mma_16816<T>(s[0], qf[kk], kb[0], kb[1]);
+            ptx::mma_16816<T>(s[1], qf[kk], kb[2], kb[3]);
+        }
+
+        const int tbase = t_begin + tile * kTileTokens + warp * 16;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int tok = tbase + j * 8 + tig * 2 + (e & 1);
+                s[j][e] = tok < limit[e >> 1] ? s[j][e] * scale_log2 : -INFINITY;
+            }
+
+        // Online softmax, rows gid (i = 0) and gid + 8 (i = 1); a row spans the 4 threads of a quad.
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float m_new = fmaxf(m_run[i], mx);
+            const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
+            const float alpha = exp2f(m_run[i] - base);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                s[j][2 * i] = exp2f(s[j][2 * i] - base);
+                s[j][2 * i + 1] = exp2f(s[j][2 * i + 1] - base);
+                sum += s[j][2 * i] + s[j][2 * i + 1];
+            }
+            l_run[i] = l_run[i] * alpha + sum;  // per-thread partial; quad-reduced at the end
+            m_run[i] = m_new;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][2 * i] *= alpha;
+                o[n][2 * i + 1] *= alpha;
+            }
+        }
+
+        // The S accumulators of two n8 tiles are exactly the A fragment of P[16 x 16].
+        const uint32_t pa[4] = {ptx::pack2<T>(s[0][0], s[0][1]), ptx::pack2<T>(s[0][2], s[0][3]),
+            ptx::pack2<T>(s[1][0], s[1][1]), ptx::pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t vb[4];
+            ptx::ldmatrix_x4_trans(vb, tv + ((mi & 1) * 8 + r8) * kStride + dp * 16 + (mi >> 1) * 8);
+            ptx::mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+            ptx::mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+        }
+        __syncthreads();  // the stage is refilled next iteration
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the four warps (same rows, disjoint tokens).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l_run[i] += __shfl_xor_sync(0xffffffff, l_run[i], 1);
+        l_run[i] += __shfl_xor_sync(0xffffffff, l_run[i], 2);
+    }
+    if (tig == 0) {
+        s_m[warp][gid] = m_run[0];
+        s_m[warp][gid + 8] = m_run[1];
+        s_l[warp][gid] = l_run[0];
+        s_l[warp][gid + 8] = l_run[1];
+    }
+    __syncthreads();
+    if (threadIdx.x < kRowsPerCta) {
+        const int r = threadIdx.x;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][r]);
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w)
+            sum += s_m[w][r] == -INFINITY ? 0.f : s_l[w][r] * exp2f(s_m[w][r] - mx);
+        s_row_max[r] = mx;
+        s_row_sum[r] = sum;
+    }
+    __syncthreads();
+    float* sO = reinterpret_cast<float*>(sK);  // [kWarps][16][D]
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = gid + 8 * i;
+        const float f = m_run[i] == -INFINITY ? 0.f : exp2f(m_run[i] - s_row_max[r]);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            float2 v = make_float2(o[n][2 * i] * f, o[n][2 * i + 1] * f);
+            *reinterpret_cast<float2*>(sO + (warp * kRowsPerCta + r) * D + n * 8 + tig * 2) = v;
+        }
+    }
+    __syncthreads();
+
+    const bool bad = bad_ctx || s_bad != 0;
+    if (bad && threadIdx.x == 0 && p.error_flag != nullptr)
+        atomicOr(p.error_flag, (bad_ctx ? kErrorContextLen : 0) | (s_bad ? kErrorBlockTable : 0));
+    const float nan = __int_as_float(0x7fc00000);
+    for (int idx = threadIdx.x; idx < kRowsPerCta * D / 4; idx += kThreads) {
+        const int r = idx / (D / 4);
+        const int d = (idx % (D / 4)) * 4;
+        const int row = row0 + r;
+        if (row >= rows_total) continue;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const float4 v = *reinterpret_cast<float4 const*>(sO + (w * kRowsPerCta + r) * D + d);
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        const float sum = s_row_sum[r];
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+        if (bad) acc = make_float4(nan, nan, nan, nan);
+        const int s_idx = row / group, g = row % group;
+        const size_t out_row = (static_cast<size_t>(b) * p.query_len + s_idx) * p.num_heads + kvh * group + g;
+        if (num_splits == 1) {
+            uint2 packed;
+            packed.x = ptx::pack2<T>(acc.x, acc.y);
+            packed.y = ptx::pack2<T>(acc.z, acc.w);
+            *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + out_row * D + d) = packed;
+        } else {
+            const size_t part = out_row * num_splits + split;
+            *reinterpret_cast<float4*>(p.partial_out + part * D + d) = acc;
+            if (d == 0) p.partial_lse[part] = bad ? nan : (sum > 0.f ? s_row_max[r] + log2f(sum) : -INFINITY);
+        }
+    }
+}
+
+// Merge the splits of one output row (b, s, h) per block: the 4 warps take every 4th split (all
+// loads independent, so many are in flight), then sum through shared memory.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) paged_attention_reduce_kernel(Params p, int num_rows, int num_splits) {
+    constexpr int kReduceWarps = 4;
+    constexpr int V = D / 32;  // floats per lane
+    static_assert(V == 2 || V == 4, "reduce handles D = 64 or 128");
+    __shared__ float s_max[kReduceWarps];
+    __shared__ int s_nan[kReduceWarps];
+    __shared__ float s_sum[kReduceWarps];
+    __shared__ __align__(16) float s_acc[kReduceWarps][D];
+    const int row = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= num_rows) return;
+    float const* lse = p.partial_lse + static_cast<size_t>(row) * num_splits;
+
+    float mx = -INFINITY;
+    int any_nan = 0;
+    for (int i = threadIdx.x; i < num_splits; i += blockDim.x) {
+        const float v = lse[i];
+        any_nan |= isnan(v);
+        mx = fmaxf(mx, v);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+    any_nan = __any_sync(0xffffffff, any_nan);
+    if (lane == 0) {
+        s_max[warp] = mx;
+        s_nan[warp] = any_nan;
+    }
+    __syncthreads();
+    mx = fmaxf(fmaxf(s_max[0], s_max[1]), fmaxf(s_max[2], s_max[3]));
+    any_nan = s_nan[0] | s_nan[1] | s_nan[2] | s_nan[3];
+
+    float acc[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = 0.f;
+    float sum = 0.f;
+    if (mx != -INFINITY && !any_nan) {
+        float const* po = p.partial_out + static_cast<size_t>(row) * num_splits * D + lane * V;
+#pragma unroll 4
+        for (int i = warp; i < num_splits; i += kReduceWarps) {
+            const float w = exp2f(lse[i] - mx);  // an empty split has lse = -inf: weight 0, output 0
+            sum += w;
+            if constexpr (V == 4) {
+                const float4 o = *reinterpret_cast<float4 const*>(po + static_cast<size_t>(i) * D);
+                acc[0] += w * o.x; acc[1] += w * o.y; acc[2] += w * o.z; acc[3] += w * o.w;
+            } else {
+                const float2 o = *reinterpret_cast<float2 const*>(po + static_cast<size_t>(i) * D);
+                acc[0] += w * o.x; acc[1] += w * o.y;
+            }
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v) s_acc[warp][lane * V + v] = acc[v];
+    if (lane == 0) s_sum[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x < D / 2) {
+        const int d = threadIdx.x * 2;
+        const float total = s_sum[0] + s_sum[1] + s_sum[2] + s_sum[3];
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        float a = (s_acc[0][d] + s_acc[1][d] + s_acc[2][d] + s_acc[3][d]) * inv;
+        float c = (s_acc[0][d + 1] + s_acc[1][d + 1] + s_acc[2][d + 1] + s_acc[3][d + 1]) * inv;
+        if (any_nan) a = c = __int_as_float(0x7fc00000);
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + static_cast<size_t>(row) * D + d) = ptx::pack2<T>(a, c);
+    }
+}
+
+// Copy T new tokens' K/V rows (Hkv * D elements each) to their cache slots, 16 bytes per thread.
+__global__ void write_kv_kernel(WriteKVParams p, int chunks_per_token) {
+    const int t = blockIdx.x;
+    const int slot = p.slot_mapping[t];
+    if (slot == -1) return;
+    if (slot < 0 || slot >= p.num_blocks * p.block_size) {
+        if (threadIdx.x == 0 && p.error_flag != nullptr) atomicOr(p.error_flag, kErrorSlotMapping);
+        return;
+    }
+    uint4 const* key = static_cast<uint4 const*>(p.key) + static_cast<size_t>(t) * chunks_per_token;
+    uint4 const* value = static_cast<uint4 const*>(p.value) + static_cast<size_t>(t) * chunks_per_token;
+    uint4* kc = static_cast<uint4*>(p.k_cache) + static_cast<size_t>(slot) * chunks_per_token;
+    uint4* vc = static_cast<uint4*>(p.v_cache) + static_cast<size_t>(slot) * chunks_per_token;
+    for (int i = threadIdx.x; i < chunks_per_token; i += blockDim.x) {
+        kc[i] = key[i];
+        vc[i] = value[i];
+    }
+}
+
+}  // namespace detail
+}  // namespace paged_attention
+}  // namespace enginesmith

@@ -1,0 +1,50 @@
+"""Fixtures for the plugin tests: the plugin modules and one CMake build shared by the session.
+
+The build is made once (all CUDA archs, TensorRT wrappers included) unless $ENGINESMITH_PLUGINS_BUILD
+names a directory that already holds it (the GPU machine gets a prebuilt one that way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from plugin_modules import REPO, kernels, load
+
+TENSORRT_ROOT = Path(os.environ.get("TENSORRT_ROOT", REPO.parent / "shared" / "third_party" / "tensorrt"))
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
+
+
+@pytest.fixture(scope="session")
+def plugin_build(tmp_path_factory) -> Path:
+    """Directory holding libenginesmith_trt_plugins.so and libenginesmith_kernels.so."""
+    prebuilt = os.environ.get("ENGINESMITH_PLUGINS_BUILD")
+    if prebuilt and (Path(prebuilt) / "libenginesmith_kernels.so").exists():
+        return Path(prebuilt)
+    if nvcc_path() is None:
+        pytest.skip("nvcc is not installed: the CUDA plugins cannot be compiled here")
+    assert (TENSORRT_ROOT / "include" / "NvInferRuntime.h").exists(), (
+        f"TensorRT headers not found under {TENSORRT_ROOT}; set TENSORRT_ROOT")
+    out = tmp_path_factory.mktemp("plugins_build")
+    kernels.build(out, archs=kernels.ALL_ARCHS, tensorrt_root=str(TENSORRT_ROOT))
+    return out
+
+
+@pytest.fixture(scope="session")
+def kernels_lib(plugin_build):
+    """The ctypes binding, pointed at the session's build."""
+    os.environ["ENGINESMITH_KERNELS_LIB"] = str(plugin_build / "libenginesmith_kernels.so")
+    kernels.lib.cache_clear()
+    kernels.lib()
+    return kernels
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return load("reference")

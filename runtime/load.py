@@ -9,7 +9,7 @@ import onnxruntime as ort
 
 from enginesmith import engine_dir
 from enginesmith.errors import EngineError
-from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
 
 
 @dataclass
@@ -44,6 +44,9 @@ def open_engine(path: str | Path, device: str = "auto", threads: int | None = No
 
     path = Path(path)
     manifest = engine_dir.verify(path, check_backend, hashes=verify_hashes)
+    if manifest.get("precision") == "bf16" and resolve_device(device) == "cpu":
+        raise EngineError(f"{path} is a bf16 engine; ONNX Runtime runs bf16 MatMul only on CUDA",
+                          "use --device cuda with onnxruntime-gpu, or build with --dtype fp16 or fp32 for CPU")
     try:
         engine = OrtEngine(path / manifest["graph"], device=device, threads=threads)
     except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # e.g. opset newer than this ORT

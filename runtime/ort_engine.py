@@ -18,7 +18,8 @@ from enginesmith.runtime.kv_dense import DenseKVCache
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
 
 
-def _provider(requested: str) -> str:
+def resolve_device(requested: str) -> str:
+    """"auto" | "cpu" | "cuda" -> the device a session will use, or a UserError."""
     available = ort.get_available_providers()
     if requested == "auto":
         return "cuda" if "CUDAExecutionProvider" in available else "cpu"
@@ -35,7 +36,7 @@ class OrtEngine:
 
     def __init__(self, onnx_path: str | Path, device: str = "auto", threads: int | None = None,
                  optimization: str = "all") -> None:
-        self.device = _provider(device)
+        self.device = resolve_device(device)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = {
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -61,17 +62,36 @@ class OrtEngine:
         self.kv_dtype = _NP_DTYPES[first.type]
         logits = self.session.get_outputs()[0]
         self.vocab = int(logits.shape[-1])
+        self.kv_layout = "ring" if "write_indices" in inputs else "dense"
 
-    def new_cache(self, batch: int) -> DenseKVCache:
+    def new_cache(self, batch: int):
+        """DenseKVCache, or RingKVCache for a graph rewritten by the kv_ring pass."""
+        if self.kv_layout == "ring":
+            from enginesmith.runtime.kv_ring import RingKVCache
+
+            return RingKVCache.for_session(self.session, batch, self.device)
         return DenseKVCache.empty(self.past_names, self.present_names, batch, self.kv_heads,
                                   self.head_dim, self.kv_dtype, self.device)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 cache: DenseKVCache) -> np.ndarray:
-        """Run one step. input_ids/position_ids [B, S], attention_mask [B, P+S]; logits [B, S, V] fp32."""
+        """Run one step. input_ids/position_ids [B, S], attention_mask [B, P+S]; logits [B, S, V] fp32.
+
+        A cache may take its own feeds (`cache.feeds(mask, positions)`: the ring cache turns them
+        into slot occupancy and positions in the cache) and cap the tokens per call
+        (`cache.max_chunk`): longer inputs run as consecutive chunks."""
+        limit = getattr(cache, "max_chunk", None)
+        seq = input_ids.shape[1]
+        if limit and seq > limit:
+            past = attention_mask.shape[1] - seq
+            return np.concatenate([
+                self.forward(input_ids[:, i:i + limit], attention_mask[:, :past + min(i + limit, seq)],
+                             position_ids[:, i:i + limit], cache) for i in range(0, seq, limit)], axis=1)
+        feeds = getattr(cache, "feeds", None)
+        feeds = feeds(attention_mask, position_ids) if feeds else {
+            "attention_mask": attention_mask, "position_ids": position_ids}
         binding = self.session.io_binding()
-        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                            ("position_ids", position_ids)):
+        for name, array in (("input_ids", input_ids), *feeds.items()):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.int64))
         binding.bind_output("logits", "cpu")
         cache.bind(binding, self.device)

@@ -123,6 +123,13 @@ int32_t PagedAttentionPlugin::configurePlugin(
     };
     if (nbInputs != x.nb_inputs || nbOutputs != x.nb_outputs) return reject("wrong number of inputs/outputs");
     PagedAttentionConfig const& c = config_;
+    const DataType t = in[x.query].desc.type;
+    if (!is_float16ish(t)) return reject("query must be float16 or bfloat16");
+    for (int i = 0; i < nbInputs; ++i) {
+        const bool is_int = i == x.block_tables || i == x.context_lens || i == x.slot_mapping;
+        if (is_int ? in[i].desc.type != DataType::kINT32 : in[i].desc.type != t)
+            return reject("input " + std::to_string(i) + (is_int ? " must be int32" : " must have the query's type"));
+    }
     Status st = pa::check_config(to_dtype(in[x.query].desc.type), c.head_size, c.block_size, c.num_heads,
         c.num_kv_heads, static_cast<int>(std::max<int64_t>(1, in[x.query].max.d[1])));
     if (!st.ok) return reject(st.message);

@@ -85,3 +85,123 @@ def test_check_24_host_accepts_24_and_names_the_first_bad_group(kernels_lib):
         kernels_lib.check_24_host(w)
     w[5, 8:12] = -0.0  # negative zeros count as zeros
     kernels_lib.check_24_host(w)
+
+
+# ---- The wrappers' own input validation, called as TensorRT would call it (createPlugin,
+# configurePlugin) from a host harness; no TensorRT library is loaded (it links with --no-undefined).
+
+class _Wrappers:
+    def __init__(self, path):
+        import ctypes
+
+        self.lib = ctypes.CDLL(str(path))
+        self.ctypes = ctypes
+        I, P, I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+        self.lib.es_trt_paged_attention_create.argtypes = [I, I, I, I, I, P, I]
+        self.lib.es_trt_paged_attention_configure.argtypes = [I, I, I, I, P, P, I64, I64, I, P, I]
+        self.lib.es_trt_sparse_gemm_create.argtypes = [P, I, I, I, P, I]
+        self.lib.es_trt_field_names.argtypes = [P, I]
+
+    def call(self, name, *args):
+        buf = self.ctypes.create_string_buffer(4096)
+        rc = getattr(self.lib, name)(*args, buf, 4096)
+        return rc, buf.value.decode()
+
+    def dims(self, *d):
+        return (self.ctypes.c_int64 * len(d))(*d)
+
+
+@pytest.fixture(scope="module")
+def wrappers(plugin_build):
+    path = plugin_build / "libenginesmith_trt_wrapper_check.so"
+    assert path.exists(), "the wrapper check harness was not built"
+    return _Wrappers(path)
+
+
+def test_creators_advertise_their_fields(wrappers):
+    buf = wrappers.ctypes.create_string_buffer(1024)
+    wrappers.lib.es_trt_field_names(buf, 1024)
+    fields = dict(part.split(":") for part in buf.value.decode().split(";"))
+    assert set(fields) == {"PagedAttention", "SparseGemm24"}
+    assert fields["PagedAttention"].split(",")[:4] == ["num_heads", "num_kv_heads", "head_size", "block_size"]
+    assert fields["SparseGemm24"] == "weight,out_features,in_features"
+
+
+@pytest.mark.parametrize(
+    "args, ok, words",
+    [
+        ((32, 8, 128, 16, 1), True, []),
+        ((9, 3, 64, 64, 0), True, []),
+        ((32, 8, 96, 16, 1), False, ["head size 96", "64, 128"]),
+        ((32, 8, 128, 8, 1), False, ["block size 8"]),
+        ((30, 8, 128, 16, 1), False, ["num_heads (30)"]),
+        ((32, 8, 128, 16, 2), False, ["write_kv"]),
+    ],
+)
+def test_paged_attention_creator_validates(wrappers, args, ok, words):
+    rc, msg = wrappers.call("es_trt_paged_attention_create", *args)
+    assert (rc == 0) == ok, msg
+    for w in words:
+        assert w in msg
+
+
+@pytest.mark.parametrize(
+    "query, cache, dtype, ok, words",
+    [
+        ((2, 1, 32, 128), (100, 16, 8, 128), 0, True, []),
+        ((2, 4, 32, 128), (100, 16, 8, 128), 1, True, []),
+        ((2, 1, 32, 128), (100, 16, 8, 128), 2, False, ["float16 or bfloat16"]),
+        ((2, 17, 32, 128), (100, 16, 8, 128), 0, False, ["query length 17"]),
+        ((2, 1, 32, 64), (100, 16, 8, 128), 0, False, ["query must be"]),
+        ((2, 1, 32, 128), (100, 32, 8, 128), 0, False, ["caches must be [NB, 16, 8, 128]"]),
+        ((2, 1, 32, 128), (100, 16, 4, 128), 0, False, ["caches must be"]),
+    ],
+)
+def test_paged_attention_configure_validates(wrappers, query, cache, dtype, ok, words):
+    rc, msg = wrappers.call("es_trt_paged_attention_configure", 32, 8, 128, 16, wrappers.dims(*query),
+                            wrappers.dims(*cache), query[0], 8, dtype)
+    assert (rc == 0) == ok, msg
+    for w in words:
+        assert w in msg
+
+
+def _weight_24(n, k):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n, k)).astype(np.float16)
+    w.reshape(n, k // 4, 4)[..., :2] = 0
+    return w
+
+
+def test_sparse_gemm_creator_accepts_24_and_rejects_dense(wrappers, kernels_lib):
+    w = _weight_24(32, 64)
+    rc, msg = wrappers.call("es_trt_sparse_gemm_create", w.ctypes.data, 32, 64, 0)
+    if not kernels_lib.sparse_available():
+        assert rc != 0 and "without cuSPARSELt" in msg
+        pytest.skip("built without cuSPARSELt: the 2:4 check ran, the accepting path cannot")
+    assert rc == 0, msg
+    w[7, 12:16] = 1.0
+    rc, msg = wrappers.call("es_trt_sparse_gemm_create", w.ctypes.data, 32, 64, 0)
+    assert rc != 0 and "row 7, columns 12..15" in msg and "not 2:4" in msg
+
+
+def test_sparse_gemm_creator_rejects_bad_shapes(wrappers):
+    w = _weight_24(24, 64)
+    rc, msg = wrappers.call("es_trt_sparse_gemm_create", w.ctypes.data, 24, 64, 0)
+    assert rc != 0 and "multiples of 16" in msg
+    rc, msg = wrappers.call("es_trt_sparse_gemm_create", w.ctypes.data, 32, 64, 0)  # 24*64 values given
+    assert rc != 0
+
+
+def test_profitability_rule_reads_the_measured_table():
+    from plugin_modules import load
+
+    prof = load("profitability")
+    table = prof.load_table()
+    assert table["device"]
+    # Decode-sized M never pays on the measured GPU; the rule answers for unmeasured shapes too.
+    assert not prof.sparse_is_profitable(4096, 4096, 1, table)
+    for key, entry in table["shapes"].items():
+        k, n = (int(v) for v in key.split("x"))
+        if entry["min_m"] is not None:
+            assert prof.sparse_is_profitable(k, n, entry["min_m"], table)
+            assert not prof.sparse_is_profitable(k, n, 1, table)

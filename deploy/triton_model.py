@@ -13,6 +13,7 @@ inside Triton's stub process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -64,11 +65,12 @@ def _number(value: Any, name: str, kind: type) -> Any:
         return None
     if isinstance(value, (bytes, str, np.bytes_, np.str_)) or not np.isscalar(value):
         raise UserError(f"input {name!r}={value!r} is not a number", f"send {name} as a number")
+    item: Any = np.asarray(value).item()
     if kind is int:
-        if float(value) != int(value):
+        if float(item) != int(item):
             raise UserError(f"input {name!r}={value!r} is not an integer", f"send {name} as an integer")
-        return int(value)
-    return float(value)
+        return int(item)
+    return float(item)
 
 
 def request_settings(values: Mapping[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestSettings:
@@ -145,6 +147,9 @@ class TritonPythonModel:
                 params[key] = ",".join(p if Path(p).is_absolute() else str(model_dir / p)
                                        for p in params[key].split(","))
         self.loaded = _open(path, self.options, params)
+        # A TensorRT engine has one execution context and static buffers: one generation at a time.
+        trt = self.loaded.manifest.get("backend", {}).get("name") == "tensorrt"
+        self.exclusive: Any = threading.Lock() if trt else contextlib.nullcontext()
         self.stop_ids = stop_token_ids(self.loaded.tokenizer, self.loaded.manifest)
         self.requests: queue.Queue = queue.Queue()
         self.workers = [threading.Thread(target=self._work, name=f"enginesmith-worker-{i}", daemon=True)
@@ -173,7 +178,8 @@ class TritonPythonModel:
                 return
             sender = request.get_response_sender()
             try:
-                self._serve(request, sender)
+                with self.exclusive:
+                    self._serve(request, sender)
             except UserError as exc:
                 self._fail(sender, str(exc), invalid=True)
             except Exception as exc:  # never let one request take the stub down
@@ -220,8 +226,7 @@ class TritonPythonModel:
             except StopIteration as end:
                 completion = end.value[0]
                 break
-            if request.is_cancelled():
-                gen.close()
+            if request.is_cancelled():  # dropping the generator ends it
                 sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
             if deltas[0]:

@@ -34,10 +34,10 @@ from enginesmith.deploy import trt_ops
 from enginesmith.errors import UserError
 
 EXIT_FINDINGS = 4  # the CLI's exit code when the graph has findings (0 clean, 2 bad input)
-_BAD_DTYPES = {TensorProto.STRING: "string", TensorProto.INT16: "int16", TensorProto.UINT16: "uint16",
+_BAD_DTYPES: dict[int, str] = {TensorProto.STRING: "string", TensorProto.INT16: "int16", TensorProto.UINT16: "uint16",
                TensorProto.UINT32: "uint32", TensorProto.UINT64: "uint64", TensorProto.COMPLEX64: "complex64",
                TensorProto.COMPLEX128: "complex128"}
-_INT4 = {TensorProto.INT4, TensorProto.UINT4}
+_INT4: set[int] = {TensorProto.INT4, TensorProto.UINT4}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 

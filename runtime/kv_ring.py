@@ -1,0 +1,198 @@
+"""Sink + window ring KV cache (StreamingLLM) for graphs rewritten by the kv_ring pass.
+
+Dimension legend: B batch, S new tokens, s sinks, w window, C = s + w slots, Hkv, D.
+
+Policy. A row's tokens are numbered t = 0, 1, ... as they arrive (padding excluded). The cache
+keeps the first s tokens (attention sinks) and the last w tokens; a forward call writes its chunk
+first (evicting the oldest window entries it needs room for) and then attends to the whole cache,
+as StreamingLLM's `evict_for_space` + append. So a chunk holds at most w tokens.
+
+Slots, in the order the graph concatenates them for attention:
+
+    [ sink 0 .. sink s-1 | window 0 .. window w-1 ]      token t >= s lives in window (t - s) % w
+
+Positions are positions in the cache, not in the stream: sinks 0..s-1, then the window's tokens
+oldest first s, s+1, ...; a query's position is its own slot's. They stay below C however long
+the stream runs. What the graph is fed per step (computed here, on the host, O(B*C)):
+
+    attention_mask [B, C]   1 where the slot holds a token after this step's write
+    cache_positions [B, C]  each slot's position (0 for empty slots)
+    position_ids [B, S]     each new token's position (0 for padding)
+    write_indices [B]       window slot of the chunk's first column ((t0 - s) % w, t0 may be < 0)
+    sink_sources [B, s]     chunk column that fills sink j now, or -1
+
+Padding: rows are left-padded (generate does that) and padding may only come before a row's
+first token. Pad columns get negative token numbers, so they are written to window slots that are
+empty at that time and never marked occupied. A chunk of S <= w columns touches S distinct window
+slots, so pads never overwrite a token of their own chunk.
+
+Memory: per layer the window K and V buffers [B, Hkv, w, D] are bound as both the past input and
+the present output (TensorScatter updates them in place), and the sink buffers [B, Hkv, s, D] are
+double-buffered; nothing is allocated after construction and nothing grows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from enginesmith.errors import UserError
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class RingKVCache:
+    """Fixed-size sink + window cache; `feeds` for the step, `bind` its buffers, `advance` after."""
+
+    def __init__(self, sinks: int, window: int, names: dict[str, list[str]], batch: int, kv_heads: int,
+                 head_dim: int, dtype, device: str, device_id: int = 0):
+        if window < 1 or sinks < 0:
+            raise UserError(f"invalid ring cache sinks={sinks} window={window}",
+                            "use sinks >= 0 and a window >= 1")
+        self.sinks, self.window = sinks, window
+        self.names = names
+        self.device, self.device_id = device, device_id
+        self.dtype = np.dtype(dtype)
+
+        def buffer(slots):  # zeros: empty slots are masked, but NaN garbage would still poison q.k
+            return ort.OrtValue.ortvalue_from_numpy(np.zeros((batch, kv_heads, slots, head_dim), dtype),
+                                                    device, device_id)
+
+        self.windows = [buffer(window) for _ in names["past"]]
+        self.sink_buffers = [[buffer(sinks) for _ in names["past_sinks"]] for _ in range(2)]
+        self._front = 0  # which sink buffer set holds the current sinks
+        self.count = np.zeros(batch, dtype=np.int64)  # tokens each row has seen
+        self._pending: np.ndarray | None = None
+
+    @classmethod
+    def for_session(cls, session: ort.InferenceSession, batch: int, device: str) -> "RingKVCache":
+        """A cache shaped for a ring graph, sizes read from its inputs."""
+        inputs = {i.name: i for i in session.get_inputs()}
+        outputs = [o.name for o in session.get_outputs()]
+        past = [n for n in inputs if n.startswith("past_key_values.")]
+        past_sinks = [n for n in inputs if n.startswith("past_sinks.")]
+        first = inputs[past[0]]
+        window = int(first.shape[2])
+        sinks = int(inputs[past_sinks[0]].shape[2]) if past_sinks else 0
+        names = {"past": past, "present": [p.replace("past_key_values.", "present.") for p in past],
+                 "past_sinks": past_sinks,
+                 "present_sinks": [p.replace("past_sinks.", "present_sinks.") for p in past_sinks]}
+        missing = [n for n in names["present"] + names["present_sinks"] if n not in outputs]
+        if missing:
+            raise UserError(f"the ring graph lacks outputs {missing[:2]}", "rebuild the engine")
+        return cls(sinks, window, names, batch, int(first.shape[1]), int(first.shape[3]),
+                   _NP[first.type], device)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+    @property
+    def max_chunk(self) -> int:
+        """The most tokens one forward call may write (the engine splits longer prefills)."""
+        return self.window
+
+    @property
+    def batch(self) -> int:
+        return len(self.count)
+
+    @property
+    def length(self) -> int:
+        """Tokens held now by the fullest row (never more than the capacity)."""
+        return int(np.minimum(self.count, self.capacity).max()) if len(self.count) else 0
+
+    def nbytes(self) -> int:
+        """Bytes of every cache buffer (fixed at construction)."""
+        values = self.windows + self.sink_buffers[0] + self.sink_buffers[1]
+        return int(sum(np.prod(v.shape()) for v in values)) * self.dtype.itemsize
+
+    # ------------------------------------------------------------------ one step
+
+    def feeds(self, attention_mask: np.ndarray, position_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The ring's inputs for a step whose new tokens are the last S columns of the dense-style
+        attention_mask [B, P+S] (0 = padding); position_ids [B, S] only gives S."""
+        batch, cols = position_ids.shape
+        if batch != self.batch:
+            raise UserError(f"a batch of {batch} rows was fed to a cache made for {self.batch}",
+                            "make the cache with engine.new_cache(batch)")
+        if cols > self.window:
+            raise UserError(f"a chunk of {cols} tokens does not fit the KV window of {self.window}",
+                            f"feed at most {self.window} tokens per step (the engine splits prompts), "
+                            "or build with a larger --kv-window")
+        real = np.asarray(attention_mask)[:, -cols:].astype(bool)
+        new = real.sum(axis=1).astype(np.int64)
+        pads = cols - new
+        if np.any(real[:, :-1] & ~real[:, 1:]):
+            raise UserError("padding after a real token in a ring-cache step", "left-pad the prompts")
+        if np.any((pads > 0) & (self.count > 0)):
+            raise UserError("padding fed to a row that already holds tokens",
+                            "pad only a row's first chunk (left padding)")
+        s, w, c = self.sinks, self.window, self.capacity
+        start = self.count - pads                       # token number of column 0 (< 0 for pads)
+        total = self.count + new                        # tokens after this step
+        in_window = np.maximum(total - s, 0)            # window tokens ever written
+        oldest = np.maximum(in_window - w, 0)           # window number of the oldest one kept
+
+        slots = np.arange(w)[None, :]                                           # [1, w]
+        last = in_window[:, None] - 1 - slots                                   # [B, w]
+        u = slots + w * np.floor_divide(np.maximum(last, 0), w)                 # newest token in slot
+        win_occupied = last >= 0
+        win_pos = np.where(win_occupied, s + u - oldest[:, None], 0)
+        sink_occupied = np.arange(s)[None, :] < np.minimum(total, s)[:, None]   # [B, s]
+        occupied = np.concatenate([sink_occupied, win_occupied], axis=1).astype(np.int64)
+        cache_pos = np.concatenate([np.where(sink_occupied, np.arange(s)[None, :], 0), win_pos], axis=1)
+
+        t = start[:, None] + np.arange(cols)[None, :]                           # [B, S] token numbers
+        query_pos = np.where(t < s, t, s + (t - s) - oldest[:, None])
+        query_pos = np.where(real, query_pos, 0)
+        feeds = {"attention_mask": occupied, "position_ids": query_pos.astype(np.int64),
+                 "cache_positions": cache_pos.astype(np.int64),
+                 "write_indices": np.mod(start - s, w).astype(np.int64)}
+        if s:
+            j = np.arange(s)[None, :]
+            fills = (j >= self.count[:, None]) & (j < total[:, None])
+            feeds["sink_sources"] = np.where(fills, j - start[:, None], -1).astype(np.int64)
+        assert occupied.shape == (batch, c) and np.all(cache_pos < c)
+        self._pending = total
+        return feeds
+
+    def bind(self, binding: ort.IOBinding, device: str, device_id: int = 0) -> None:
+        """Window buffers are input and output at once (in place); sinks read front, write back."""
+        for past, present, value in zip(self.names["past"], self.names["present"], self.windows):
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        front, back = self.sink_buffers[self._front], self.sink_buffers[1 - self._front]
+        for past, present, src, dst in zip(self.names["past_sinks"], self.names["present_sinks"], front, back):
+            binding.bind_ortvalue_input(past, src)
+            binding.bind_ortvalue_output(present, dst)
+
+    def advance(self, presents: list[ort.OrtValue]) -> None:
+        """Commit the step whose feeds were taken (the buffers were written in place)."""
+        assert self._pending is not None, "advance() without feeds()"
+        self.count = self._pending
+        self._pending = None
+        if self.sinks:
+            self._front = 1 - self._front
+
+    def reset(self) -> None:
+        """Forget every row's tokens (the buffers are reused; empty slots are never attended)."""
+        self.count[:] = 0
+        self._pending = None
+
+    def select(self, rows: np.ndarray) -> None:
+        """Keep only batch rows `rows` (drop finished sequences)."""
+        rows = np.asarray(rows)
+
+        def take(value):
+            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value.numpy()[rows]),
+                                                    self.device, self.device_id)
+
+        self.windows = [take(v) for v in self.windows]
+        self.sink_buffers = [[take(v) for v in group] for group in self.sink_buffers]
+        self.count = self.count[rows].copy()
+
+    def truncate(self, length: int) -> None:
+        raise UserError("the ring KV cache cannot roll back tokens", "use the dense KV layout for "
+                        "speculative decoding")

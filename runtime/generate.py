@@ -118,10 +118,11 @@ class Completion:
 
 
 def stream(engine: Engine, tokenizer, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-           pad_id: int = 0) -> Iterator[list[str]]:
+           pad_id: int = 0, decoder=None) -> Iterator[list[str]]:
     """Yield per step one text delta per row ("" when nothing new); see `generate` for results.
 
-    The final Completion objects are available as the generator's return value.
+    `decoder` replaces `generate_ids` (same signature and yields), e.g. a
+    speculative.SpeculativeDecoder. The final Completion objects are the generator's return value.
     """
     rows = len(prompts)
     detok = [IncrementalDetokenizer(tokenizer) for _ in range(rows)]
@@ -129,7 +130,7 @@ def stream(engine: Engine, tokenizer, prompts: Sequence[Sequence[int]], config: 
     held = [""] * rows  # text held back while it may be the start of a stop string
     hold = max((len(s) for s in config.stop_strings), default=1) - 1
     stop_ids = set(config.stop_token_ids)
-    for next_ids, _ in generate_ids(engine, prompts, config, pad_id):
+    for next_ids, _ in (decoder or generate_ids)(engine, prompts, config, pad_id):
         deltas = [""] * rows
         for row, token in enumerate(next_ids.tolist()):
             c = done[row]
@@ -169,9 +170,9 @@ def _first_stop(text: str, stop_strings: Sequence[str], start: int) -> int | Non
 
 
 def generate(engine: Engine, tokenizer, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-             pad_id: int = 0) -> list[Completion]:
+             pad_id: int = 0, decoder=None) -> list[Completion]:
     """Run `stream` to the end and return one Completion per prompt."""
-    gen = stream(engine, tokenizer, prompts, config, pad_id)
+    gen = stream(engine, tokenizer, prompts, config, pad_id, decoder)
     while True:
         try:
             next(gen)

@@ -65,8 +65,8 @@ PRESETS: dict[str, JetsonPreset] = {
         build=TrtBuildConfig(max_batch=1, max_input=512, max_positions=2048, opt_batch=1, opt_input=128,
                              opt_positions=512, strip_weights=True, workspace_bytes=1 * _GiB,
                              optimization_level=2, max_aux_streams=0),
-        notes="Ampere GPU (no FP8); fp16 or W4A16 (INT4 blocked DQ) weights. Orin Nano has 8 GB shared: "
-              "prefer weight_streaming for models above ~1.5B parameters.",
+        notes="Ampere GPU (no FP8); fp16 or W4A16 (INT4 blocked DQ) weights. Orin Nano shares 8 GB between "
+              "CPU and GPU: turn on weight_streaming for models that do not fit beside the KV cache.",
     ),
     "thor": JetsonPreset(
         name="thor", device="Jetson AGX Thor", sm="11.0", cuda_arch="110", jetpack="7.0", cuda="13.0",

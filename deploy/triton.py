@@ -18,6 +18,7 @@ generated id) and finish_reason [1] string ("stop" | "length").
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 from dataclasses import dataclass
@@ -209,3 +210,30 @@ def parse_config(text: str) -> Any:
     from tritonclient.grpc import model_config_pb2
 
     return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the `triton` verb."""
+    parser.add_argument("--engine", required=True, metavar="DIR", help="engine directory from `enginesmith build`")
+    parser.add_argument("--out", required=True, metavar="REPO", help="Triton model repository (created if missing)")
+    parser.add_argument("--name", default="enginesmith", help="model name in the repository (default enginesmith)")
+    parser.add_argument("--env", metavar="VENV", default=None,
+                        help="Python environment for the model (EXECUTION_ENV_PATH): a venv or venv-pack tarball "
+                             "with enginesmith and numpy<2; default: the server's python3")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="ONNX Runtime device")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = all cores)")
+    parser.add_argument("--workers", type=int, default=1, help="requests generated at once (ONNX Runtime)")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default max_tokens per request")
+    parser.add_argument("--copy-engine", action="store_true",
+                        help="put the engine inside the repository (hard links where possible)")
+    parser.add_argument("--no-verify", action="store_true", help="skip hashing the engine files at model load")
+    parser.add_argument("--force", action="store_true", help="replace an existing model of that name")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `triton` verb: write the model and print its directory. Bad input raises UserError."""
+    model = write_model_repository(args.engine, args.out, args.name, execution_env=args.env, device=args.device,
+                                   threads=args.threads, workers=args.workers, copy_engine=args.copy_engine,
+                                   verify_hashes=not args.no_verify, max_tokens=args.max_tokens, force=args.force)
+    print(model)
+    return 0

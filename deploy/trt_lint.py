@@ -419,11 +419,15 @@ def lint(model: onnx.ModelProto | str | Path, target: str = trt_ops.DEFAULT_TARG
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`enginesmith trt-lint MODEL [--trt-version V] [--json]`: 0 clean, 4 findings, 2 bad input."""
+    """`python -m enginesmith.deploy.trt_lint MODEL [--trt-version V] [--json]`: 0 clean, 4 findings, 2 bad input."""
     parser = argparse.ArgumentParser(prog="enginesmith trt-lint",
                                      description="Check an ONNX graph against TensorRT's ONNX parser, without TensorRT.")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -435,11 +439,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        findings = lint(args.model, args.trt_version)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    """The `trt-lint` verb: print the findings; return 0 (clean) or EXIT_FINDINGS. Bad input raises UserError."""
+    findings = lint(args.model, args.trt_version)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:

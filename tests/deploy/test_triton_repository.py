@@ -188,3 +188,19 @@ def test_config_parameters_round_trip():
     with pytest.raises(UserError, match="ENGINE_DIR"):
         ModelOptions.from_parameters({})
     json.dumps(options.parameters())  # plain strings only
+
+
+def test_cli_verb_functions(tmp_path, capsys):
+    import argparse
+
+    from enginesmith.deploy import triton
+
+    engine = fake_engine(tmp_path / "engine")
+    parser = argparse.ArgumentParser()
+    triton.add_arguments(parser)
+    args = parser.parse_args(["--engine", str(engine), "--out", str(tmp_path / "repo"), "--name", "m",
+                              "--workers", "2", "--no-verify"])
+    assert triton.run(args) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "repo" / "m")
+    with pytest.raises(UserError, match="already exists"):
+        triton.run(args)

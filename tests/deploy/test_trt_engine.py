@@ -175,6 +175,36 @@ def test_jetson_detect_and_device_check(tmp_path):
         jetson.check_device(jetson.preset("orin"), "9.0")
 
 
+# ----------------------------------------------------------------------------- `build --backend trt` glue
+
+def test_trt_config_merges_preset_and_flags(tmp_path):
+    from enginesmith.deploy.trt_build import trt_config
+
+    c = trt_config()
+    assert (c.max_batch, c.strip_weights) == (8, False)
+    c = trt_config("orin", max_positions=1024, weight_streaming=True)
+    assert (c.max_batch, c.max_positions, c.opt_positions, c.strip_weights, c.weight_streaming) == \
+        (1, 1024, 512, True, True)
+    c = trt_config(max_batch=1, max_input=16)  # opt values follow smaller maxima down
+    assert (c.opt_batch, c.opt_input) == (1, 16)
+    lib = tmp_path / "libp.so"
+    lib.write_bytes(b"")
+    assert trt_config(plugins=[str(lib)]).plugin_libraries == (str(lib.resolve()),)
+    with pytest.raises(UserError, match="plugin library .* does not exist"):
+        trt_config(plugins=[str(tmp_path / "missing.so")])
+    with pytest.raises(UserError, match="unknown Jetson preset"):
+        trt_config("xavier")
+
+
+@pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed: this checks the message when it is not")
+def test_build_backend_trt_fails_fast_without_tensorrt(tmp_path):
+    from enginesmith.deploy.trt_build import build_tensorrt, check_ready
+
+    for call in (lambda: check_ready("thor"), lambda: build_tensorrt(tmp_path, TrtBuildConfig())):
+        with pytest.raises(UserError, match="TensorRT is not installed"):
+            call()
+
+
 # ----------------------------------------------------------------------------- need TensorRT
 
 @needs_trt

@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STUBS = Path(os.environ.get("ENGINESMITH_TRT_STUBS", REPO.parent / "shared/third_party/tensorrt/stubs-10.13"))
-CHECKED = ["runtime/trt_engine.py", "deploy/trt_lint.py", "deploy/trt_ops.py", "deploy/jetson.py",
+CHECKED = ["runtime/trt_engine.py", "deploy/trt_lint.py", "deploy/trt_ops.py", "deploy/jetson.py", "deploy/trt_build.py",
            "deploy/triton.py", "deploy/triton_model.py"]
 
 MYPY_INI = """\

@@ -10,6 +10,7 @@ import onnxruntime as ort
 from enginesmith import engine_dir
 from enginesmith.errors import EngineError
 from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
+from enginesmith.runtime.tokenizer import Tokenizer
 
 
 @dataclass
@@ -40,8 +41,6 @@ def check_backend(manifest: dict) -> None:
 
 def open_engine(path: str | Path, device: str = "auto", threads: int | None = None,
                 verify_hashes: bool = True) -> LoadedEngine:
-    from transformers import AutoTokenizer
-
     path = Path(path)
     manifest = engine_dir.verify(path, check_backend, hashes=verify_hashes)
     if manifest.get("precision") == "bf16" and resolve_device(device) == "cpu":
@@ -52,5 +51,5 @@ def open_engine(path: str | Path, device: str = "auto", threads: int | None = No
     except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # e.g. opset newer than this ORT
         raise EngineError(f"onnxruntime {ort.__version__} cannot load {path}: {str(exc).splitlines()[0]}",
                           "rebuild the engine with this onnxruntime, or install the one it was built with") from None
-    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
+    tokenizer = Tokenizer(path / "tokenizer")
     return LoadedEngine(path, manifest, engine, tokenizer)

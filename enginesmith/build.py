@@ -23,6 +23,7 @@ from enginesmith.errors import UserError
 from enginesmith.paths import cache_dir
 
 BACKENDS = ("ort",)
+KV_LAYOUTS = ("dense", "ring")
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,23 @@ class BuildConfig:
     opset: int = 23
     backend: str = "ort"
     passes: tuple = field(default_factory=tuple)  # reserved for the pass pipeline
+    kv_layout: str = "dense"     # "ring": StreamingLLM cache of kv_sinks + kv_window slots
+    kv_sinks: int = 4
+    kv_window: int = 1020
+
+    def __post_init__(self):
+        if self.kv_layout not in KV_LAYOUTS:
+            raise UserError(f"unknown KV layout {self.kv_layout!r}", f"use one of: {', '.join(KV_LAYOUTS)}")
+        if self.kv_layout == "ring" and (self.kv_sinks < 0 or self.kv_window < 1):
+            raise UserError(f"a ring KV cache of {self.kv_sinks} sinks + {self.kv_window} window slots",
+                            "use --sinks >= 0 and --kv-window >= 1 (e.g. --sinks 4 --kv-window 1020)")
 
     def key(self, source_sha: str) -> str:
         """Cache key of the engine this config builds from a source."""
-        settings = json.dumps({k: v for k, v in asdict(self).items() if k != "model"}, sort_keys=True)
+        fields = {k: v for k, v in asdict(self).items() if k != "model"}
+        if self.kv_layout == "dense":  # dense engines keep the keys they had before the kv_ options
+            fields = {k: v for k, v in fields.items() if not k.startswith("kv_")}
+        settings = json.dumps(fields, sort_keys=True)
         return f"{source_sha[:16]}-{hashlib.sha256((settings + __version__).encode()).hexdigest()[:12]}"
 
 
@@ -89,8 +103,12 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
             _stages(["load", "export", "tokenizer", "manifest"], progress) as stage:
         stage("load model")
         loaded = models.load(source)
+        kv_layout = _kv_layout(config, KVShape.of(loaded.model.config).max_positions)
         stage("export to ONNX")
-        export(loaded.model, tmp / "model.onnx", dtype=config.dtype, opset=config.opset)
+        if config.kv_layout == "dense":
+            export(loaded.model, tmp / "model.onnx", dtype=config.dtype, opset=config.opset)
+        else:
+            _ring_graph(config, tmp / "model.onnx", progress)
         stage("tokenizer")
         loaded.tokenizer.save_pretrained(tmp / "tokenizer")
         stage("hashes + build.json")
@@ -110,15 +128,39 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
             },
             "graph": "model.onnx",
             "precision": config.dtype,
-            "opset": config.opset,
-            "passes": list(config.passes),
-            "kv_layout": {"type": "dense", "capacity": shape.max_positions},
+            "opset": config.opset if config.kv_layout == "dense" else max(config.opset, 24),
+            "passes": list(config.passes) + ([f"kv_ring:sinks={config.kv_sinks},window={config.kv_window}"]
+                                             if config.kv_layout == "ring" else []),
+            "kv_layout": kv_layout,
             "backend": {"name": "onnxruntime", "version": ort.__version__},
             "exporter": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "python": platform.python_version()},
             "build_seconds": round(time.time() - started, 1),
         })
     return out
+
+
+def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
+    """build.json's kv_layout, after checking the ring fits the model's context."""
+    if config.kv_layout == "dense":
+        return {"type": "dense", "capacity": max_positions}
+    capacity = config.kv_sinks + config.kv_window
+    if capacity > max_positions:
+        raise UserError(f"a ring KV cache of {config.kv_sinks} sinks + {config.kv_window} window = {capacity} "
+                        f"slots exceeds the model's context of {max_positions} positions",
+                        f"use --sinks + --kv-window <= {max_positions}")
+    return {"type": "ring", "sinks": config.kv_sinks, "window": config.kv_window, "capacity": capacity}
+
+
+def _ring_graph(config: BuildConfig, out: Path, progress: bool) -> None:
+    """The ring graph: the kv_ring pass over the dense engine's graph (built once, cached)."""
+    from dataclasses import replace
+
+    from enginesmith.passes import run_pipeline
+
+    dense = cached_engine(replace(config, kv_layout="dense"), progress=progress)
+    run_pipeline(dense / "model.onnx", out, f"kv_ring:sinks={config.kv_sinks},window={config.kv_window}",
+                 progress=False)
 
 
 def default_engine_path(config: BuildConfig) -> Path:
@@ -136,3 +178,4 @@ def cached_engine(config: BuildConfig, progress: bool = True) -> Path:
               f"once; it is cached in {path}")
         build(config, path, force=path.exists(), progress=progress)
     return path
+

@@ -55,26 +55,32 @@ def positions(mask: np.ndarray, new: int) -> np.ndarray:
 
 
 def generate_ids(engine: Engine, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                 pad_id: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 pad_id: int = 0, cache=None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (next ids [B], finished-before-this-step [B] bool) per decode step.
 
     Rows finished by a stop token keep running (fed their stop token) until all rows are done;
-    their later ids are to be ignored by the caller.
+    their later ids are to be ignored by the caller. `cache` continues a cache that already holds
+    a session's tokens (its `length` of them count as context; one row, or rows kept in step);
+    the last yielded token is not fed to it.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("empty prompt", "give at least one token of prompt")
     longest = max(len(p) for p in prompts)
+    past = cache.length if cache is not None else 0
     budget = config.max_new_tokens
     if config.max_positions is not None:
-        if longest >= config.max_positions:
+        if past + longest >= config.max_positions:
             raise UserError(f"prompt of {longest} tokens does not fit the model's context of "
                             f"{config.max_positions} tokens", "shorten the prompt")
-        budget = min(budget, config.max_positions - longest)
+        budget = min(budget, config.max_positions - past - longest)
     rng = np.random.default_rng(config.sampling.seed)
     stop = np.array(sorted(set(config.stop_token_ids)), dtype=np.int64)
     ids, mask = left_pad(prompts, pad_id)
     seen = [np.asarray(p, dtype=np.int64) for p in prompts]
-    cache = engine.new_cache(len(prompts))
+    if cache is None:
+        cache = engine.new_cache(len(prompts))
+    else:
+        mask = np.concatenate([np.ones((len(prompts), past), dtype=np.int64), mask], axis=1)
     logits = engine.forward(ids, mask, positions(mask, ids.shape[1]), cache)[:, -1]  # [B, V]
     finished = np.zeros(len(prompts), dtype=bool)
     for step in range(budget):

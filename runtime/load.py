@@ -28,13 +28,22 @@ class LoadedEngine:
     def pad_id(self) -> int:
         return int(self.manifest["model"].get("pad_token_id") or 0)
 
+    @property
+    def kv_layout(self) -> dict:
+        return self.manifest.get("kv_layout", {"type": "dense"})
+
+    @property
+    def context_limit(self) -> int | None:
+        """Most tokens one sequence may hold: the model's context, None for a ring cache (streams)."""
+        return None if self.kv_layout.get("type") == "ring" else self.max_positions
+
 
 def check_backend(manifest: dict) -> None:
     backend = manifest.get("backend", {})
     if backend.get("name") != "onnxruntime":
         raise EngineError(f"this engine was built for backend {backend.get('name')!r}; this runtime runs "
                           "onnxruntime engines", "rebuild with `enginesmith build --backend ort`")
-    if manifest.get("kv_layout", {}).get("type", "dense") != "dense":
+    if manifest.get("kv_layout", {}).get("type", "dense") not in ("dense", "ring"):
         raise EngineError(f"KV layout {manifest['kv_layout']['type']!r} is not supported by this runtime",
                           "rebuild with the dense KV layout")
 

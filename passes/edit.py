@@ -1,0 +1,98 @@
+"""Direct graph edits shared by the passes: replace a constant, add an initializer, add a node.
+
+Passes change only the tensors they touch; every other initializer stays a lazy external tensor
+(onnx_ir memory-maps it), so a pass over a large model holds only its own new arrays in RAM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+class Namer:
+    """Unique value names for one graph (initializers and node outputs)."""
+
+    def __init__(self, graph: ir.Graph):
+        self.graph = graph
+        self.taken = set(graph.initializers) | {v.name for v in graph.inputs}
+        self.taken |= {out.name for node in graph for out in node.outputs}
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+
+def tensor_type(value: ir.Value) -> ir.DataType:
+    return value.const_value.dtype if value.const_value is not None else value.type.dtype
+
+
+def add_initializer(graph: ir.Graph, namer: Namer, base: str, array: np.ndarray,
+                    dtype: ir.DataType | None = None) -> ir.Value:
+    """A new initializer holding `array` (stored as `dtype`, e.g. INT4, when given)."""
+    name = namer(base)
+    tensor = ir.Tensor(array, dtype=dtype, name=name) if dtype is not None else ir.Tensor(array, name=name)
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype),
+                     const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def set_constant(graph: ir.Graph, namer: Namer, node: ir.Node, value: ir.Value, array: np.ndarray
+                 ) -> ir.Value:
+    """Make `node` read `array` where it read the constant `value`, in the same dtype.
+
+    In place when `node` is the only reader; otherwise a new initializer, so the other readers
+    (a norm weight deduplicated across layers, an embedding tied to the lm_head) keep theirs.
+    """
+    dtype = tensor_type(value)
+    array = np.ascontiguousarray(array.astype(ir.DataType(dtype).numpy(), copy=False))
+    if all(use.node is node for use in value.uses()):
+        value.const_value = ir.Tensor(array, name=value.name)
+        return value
+    new = add_initializer(graph, namer, value.name, array)
+    for i, inp in enumerate(node.inputs):
+        if inp is value:
+            node.replace_input_with(i, new)
+    return new
+
+
+def add_node(graph: ir.Graph, namer: Namer, op_type: str, inputs: list[ir.Value | None],
+             attributes: dict | None = None, like: ir.Value | None = None,
+             dtype: ir.DataType | None = None, shape: ir.Shape | None = None, before: ir.Node | None = None,
+             domain: str = "", base: str | None = None) -> ir.Value:
+    """Insert a one-output node before `before` (or at the end); its output takes `like`'s shape and
+    type unless `dtype`/`shape` say otherwise. Returns the output value."""
+    node = ir.Node(domain, op_type, inputs, attributes=[_attr(k, v) for k, v in (attributes or {}).items()],
+                   num_outputs=1, name=namer(f"{base or op_type}"))
+    out = node.outputs[0]
+    out.name = namer(f"{base or op_type}_out")
+    out.type = ir.TensorType(dtype if dtype is not None else like.type.dtype)
+    out.shape = shape if shape is not None else (like.shape if like is not None else None)
+    if before is not None:
+        graph.insert_before(before, node)
+    else:
+        graph.append(node)
+    return out
+
+
+def _attr(name: str, value) -> ir.Attr:
+    if isinstance(value, bool) or isinstance(value, (int, np.integer)):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, float):
+        return ir.AttrFloat32(name, value)
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    raise TypeError(f"attribute {name}: unsupported {type(value).__name__}")
+
+
+def drop_unused_initializers(graph: ir.Graph) -> int:
+    """Remove initializers nothing reads (left behind by replacements); returns how many."""
+    outputs = {id(v) for v in graph.outputs}
+    unused = [name for name, v in graph.initializers.items() if not v.uses() and id(v) not in outputs]
+    for name in unused:
+        graph.initializers.pop(name)
+    return len(unused)

@@ -1,0 +1,72 @@
+"""Pass names, typed parameters, pipeline text and presets (no graphs needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from enginesmith.errors import UserError
+from enginesmith.passes import PRESETS, build_pipeline, parse_pipeline, passes, preset_steps
+
+
+def test_parse_pipeline_names_params_and_types():
+    steps = parse_pipeline("smoothquant:alpha=0.75,search=true,quantize_w8a8")
+    assert [s.name for s in steps] == ["smoothquant", "quantize_w8a8"]
+    assert steps[0].params.alpha == 0.75 and steps[0].params.search is True
+    assert steps[1].params.include_lm_head is False
+    colon = parse_pipeline("awq:block_size=64:grid=10, quantize_w4a16:block_size=64")
+    assert colon[0].params.block_size == 64 and colon[0].params.grid == 10
+    assert colon[1].spec() == "quantize_w4a16:block_size=64"
+
+
+def test_spec_roundtrip():
+    for text in ("smoothquant:alpha=0.8,through_v=false", "lower_ort:accuracy_level=4", "quantize_w8a8"):
+        steps = parse_pipeline(text)
+        assert ",".join(s.spec() for s in steps) == text
+        assert parse_pipeline(",".join(s.spec() for s in steps)) == steps
+
+
+@pytest.mark.parametrize("text, words", [
+    ("smoothquant:alpha=1.5", "outside [0, 1]"),
+    ("smoothquant:alpha=-0.1", "outside [0, 1]"),
+    ("smoothquant:alpha=high", "not a valid float"),
+    ("smoothquant:beta=0.5", "no parameter 'beta'"),
+    ("quantise_w8a8", "unknown pass"),
+    ("quantize_w4a16:block_size=100", "block_size=100"),
+    ("awq:grid=0", "grid=0"),
+    ("lower_ort:accuracy_level=7", "accuracy_level=7"),
+    ("smoothquant:search=maybe", "not a valid bool"),
+    ("alpha=0.5", "starts with a parameter"),
+    ("", "empty"),
+])
+def test_bad_pipelines_are_user_errors(text, words):
+    with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")) as err:
+        parse_pipeline(text)
+    assert err.value.fix  # every error says what to do
+
+
+def test_presets_and_build_pipeline():
+    assert set(PRESETS) == {"w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"}
+    awq = preset_steps("w4a16-awq", block_size=64)
+    assert [s.name for s in awq] == ["awq", "quantize_w4a16"]
+    assert awq[0].params.block_size == awq[1].params.block_size == 64
+    assert [s.name for s in build_pipeline("w8a8-sq")] == ["smoothquant", "quantize_w8a8", "lower_ort"]
+    assert [s.name for s in build_pipeline("w4a16-rtn", backend="trt")] == ["quantize_w4a16"]
+    steps = build_pipeline("w4a16-rtn", quantize_embeddings=True, accuracy_level=1)
+    assert [s.name for s in steps] == ["quantize_w4a16", "quantize_embedding", "lower_ort"]
+    assert steps[-1].params.accuracy_level == 1
+    assert build_pipeline(None) == []
+    with pytest.raises(UserError, match="unknown quantization preset"):
+        preset_steps("w3a16")
+    with pytest.raises(UserError, match="unknown backend"):
+        build_pipeline("w8a8-sq", backend="tvm")
+
+
+def test_registry_declares_exactness_and_calibration():
+    table = passes()
+    assert table["smoothquant"].is_exact(table["smoothquant"].params())
+    assert table["awq"].is_exact(table["awq"].params()) and table["awq"].calibrated
+    assert not table["quantize_w8a8"].is_exact(table["quantize_w8a8"].params())
+    lower = table["lower_ort"]
+    assert lower.is_exact(lower.params(accuracy_level=0))
+    assert not lower.is_exact(lower.params(accuracy_level=4))
+    assert all(info.doc for info in table.values())

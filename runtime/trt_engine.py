@@ -343,6 +343,14 @@ class LoadedTrtEngine:
     def pad_id(self) -> int:
         return int(self.manifest["model"].get("pad_token_id") or 0)
 
+    @property
+    def kv_layout(self) -> dict:
+        return dict(self.manifest.get("kv_layout", {"type": "dense"}))
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.max_positions
+
 
 def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), verify_hashes: bool = True,
                     weight_budget_bytes: int | None = None, cuda_graphs: bool = True) -> LoadedTrtEngine:
@@ -350,7 +358,7 @@ def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), veri
 
     `plugin_libraries` overrides the copies in the engine directory (Triton passes its paths).
     """
-    from transformers import AutoTokenizer
+    from enginesmith.runtime.tokenizer import Tokenizer
 
     path = Path(path)
     manifest = engine_dir.read_manifest(path)
@@ -382,8 +390,7 @@ def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), veri
         cuda_engine.weight_streaming_budget_v2 = weight_budget_bytes
     engine = TrtEngine(cuda_engine, max_batch=int(backend["max_batch"]), max_input=int(backend["max_input"]),
                        capacity=int(backend["max_positions"]), cuda_graphs=cuda_graphs)
-    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
-    return LoadedTrtEngine(path, manifest, engine, tokenizer)
+    return LoadedTrtEngine(path, manifest, engine, Tokenizer(path / "tokenizer"))
 
 
 # ----------------------------------------------------------------------------- run

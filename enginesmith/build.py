@@ -41,8 +41,8 @@ class BuildConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise UserError(f"unknown KV layout {self.kv_layout!r}", f"use one of: {', '.join(KV_LAYOUTS)}")
         if self.kv_layout == "ring" and (self.kv_sinks < 0 or self.kv_window < 1):
-            raise UserError(f"a ring KV cache of {self.kv_sinks} sinks + {self.kv_window} window slots",
-                            "use --sinks >= 0 and --kv-window >= 1 (e.g. --sinks 4 --kv-window 1020)")
+            raise UserError(f"a ring KV cache needs sinks >= 0 and a window >= 1 (got --sinks {self.kv_sinks}, "
+                            f"--kv-window {self.kv_window})", "e.g. --sinks 4 --kv-window 1020")
 
     def key(self, source_sha: str) -> str:
         """Cache key of the engine this config builds from a source."""

@@ -40,14 +40,40 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system", default=None, help="system message for the chat template")
 
 
-def _open(args):
+def _add_kv_flags(p: argparse.ArgumentParser, eval_policies: bool = False) -> None:
+    g = p.add_argument_group("KV cache (StreamingLLM ring: the first --sinks tokens + the last "
+                             "--kv-window tokens, positions in the cache, constant memory)")
+    if eval_policies:
+        g.add_argument("--kv", metavar="POLICY[,POLICY]", default=None,
+                       help="long-stream perplexity under dense | window (no sinks) | ring | recompute "
+                            "(sliding window with re-computation), e.g. --kv dense,window,ring,recompute")
+        g.add_argument("--stride", type=int, default=1, help="recompute: tokens scored per forward (1 = exact)")
+        g.add_argument("--plot", metavar="PNG", default=None, help="write perplexity over position to PNG")
+    else:
+        g.add_argument("--kv", choices=["dense", "ring"], default="dense", help="KV layout (default dense)")
+    g.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept forever (default 4)")
+    g.add_argument("--kv-window", type=int, default=1020, help="recent tokens kept (default 1020)")
+
+
+def _build_config(args, kv: str | None = None, sinks: int | None = None, window: int | None = None):
+    from enginesmith.build import BuildConfig
+
+    kv = kv or getattr(args, "kv", None) or "dense"
+    return BuildConfig(model=args.model, kv_layout=kv, kv_sinks=getattr(args, "sinks", 4) if sinks is None else sinks,
+                       kv_window=getattr(args, "kv_window", 1020) if window is None else window)
+
+
+def _open(args, config=None):
     """The LoadedEngine for --engine, --model or the default (built and cached on first use)."""
-    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.build import cached_engine
     from enginesmith.runtime.load import open_engine
 
     if args.engine and args.model:
         raise UserError("--engine and --model were both given", "pass only one of them")
-    path = Path(args.engine) if args.engine else cached_engine(BuildConfig(model=args.model))
+    if args.engine and getattr(args, "kv", "dense") not in (None, "dense"):
+        raise UserError("--kv was given with --engine, whose KV layout was fixed when it was built",
+                        "leave out --engine, or build the engine with `enginesmith build --kv ring`")
+    path = Path(args.engine) if args.engine else cached_engine(config or _build_config(args))
     return open_engine(path, device=args.device, threads=args.threads)
 
 
@@ -68,7 +94,7 @@ def _generation_config(args, loaded, sampling):
 
     return GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling,
                             stop_token_ids=stop_token_ids(loaded.tokenizer, loaded.manifest),
-                            stop_strings=tuple(args.stop), max_positions=loaded.max_positions)
+                            stop_strings=tuple(args.stop), max_positions=loaded.context_limit)
 
 
 # ----------------------------------------------------------------------------- verbs
@@ -95,7 +121,8 @@ def cmd_export(args) -> int:
 def cmd_build(args) -> int:
     from enginesmith.build import BuildConfig, build
 
-    path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend),
+    path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend,
+                             kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window),
                  Path(args.out), force=args.force)
     print(path)
     return 0
@@ -130,6 +157,8 @@ def cmd_chat(args) -> int:
     sampling = _sampling(args)
     loaded = _open(args)
     config = _generation_config(args, loaded, sampling)
+    if loaded.context_limit is None:  # a ring cache: one session, constant memory, no history kept
+        return _chat_stream(loaded, config, args.system)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("enginesmith chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
@@ -162,6 +191,34 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def _chat_stream(loaded, config, system: str | None) -> int:
+    from enginesmith.runtime.ring_chat import ChatSession
+
+    session = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
+    kv = loaded.kv_layout
+    print(f"enginesmith chat (ring KV cache: {kv['sinks']} sinks + {kv['window']} recent tokens, constant "
+          "memory): type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            session = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
+            continue
+        try:
+            for delta in session.turn(line):
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [interrupted]", end="")
+        print()
+
+
 def cmd_bench(args) -> int:
     from enginesmith.measure import report
 
@@ -175,10 +232,49 @@ def cmd_bench(args) -> int:
 def cmd_eval(args) -> int:
     from enginesmith.measure import report
 
+    if args.kv:
+        return _eval_stream(args)
     loaded = _open(args)
     result = report.eval_ppl(loaded, args.text, args.novel, args.tokens, args.window,
                              compare_hf=args.compare == "hf")
     print(json.dumps(result) if args.json else report.format_ppl(result))
+    return 0
+
+
+def _eval_stream(args) -> int:
+    """eval ppl --kv ...: the long-stream comparison (measure.streaming), one engine per policy."""
+    from enginesmith.measure import corpus, perplexity, streaming
+
+    policies = [p.strip() for p in args.kv.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in streaming.POLICIES]
+    if unknown or not policies:
+        raise UserError(f"unknown --kv policy {', '.join(unknown) or '(none)'}",
+                        f"use one or more of: {', '.join(streaming.POLICIES)}")
+    if args.engine:
+        raise UserError("--kv builds one engine per policy", "leave out --engine (use --model)")
+    capacity = args.sinks + args.kv_window
+    configs = {"dense": _build_config(args, "dense"), "recompute": _build_config(args, "dense"),
+               "ring": _build_config(args, "ring"), "window": _build_config(args, "ring", 0, capacity)}
+    if not 1 <= args.stride <= capacity:
+        raise UserError(f"--stride {args.stride} is outside [1, {capacity}]", "use a stride within the window")
+    opened: dict = {}
+    runs, ids = [], None
+    for policy in policies:
+        config = configs[policy]
+        if config not in opened:
+            opened[config] = _open(args, config)
+        loaded = opened[config]
+        if ids is None:
+            ids = perplexity.tokenize(loaded.tokenizer, corpus.load_text(args.text, novel=args.novel), args.tokens)
+        if policy == "recompute":
+            runs.append(streaming.run_recompute(loaded.engine, ids, capacity, args.stride))
+        else:
+            runs.append(streaming.run_cached(policy, loaded.engine, ids))
+    text = args.text or f"austen:{args.novel}"
+    summaries = [streaming.summary(r) for r in runs]
+    if args.plot:
+        streaming.plot(runs, args.plot, title=f"{text}, {len(ids)} tokens, cache {capacity}")
+    print(json.dumps({"text": text, "runs": summaries}) if args.json else streaming.format_table(summaries, text))
     return 0
 
 
@@ -206,6 +302,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--opset", type=int, default=23)
     p.add_argument("--backend", default="ort", help="ort (ONNX Runtime)")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    _add_kv_flags(p)
     p.set_defaults(func=cmd_build)
 
     p = verbs.add_parser("run", help="generate from one or more prompts (one prompt streams)")
@@ -213,11 +310,13 @@ def parser() -> argparse.ArgumentParser:
     _add_model_flags(p)
     _add_sampling_flags(p)
     p.add_argument("--raw", action="store_true", help="continue the text as is (no chat template)")
+    _add_kv_flags(p)
     p.set_defaults(func=cmd_run)
 
     p = verbs.add_parser("chat", help="interactive chat that streams its answers")
     _add_model_flags(p)
     _add_sampling_flags(p)
+    _add_kv_flags(p)
     p.set_defaults(func=cmd_chat)
 
     p = verbs.add_parser("bench", help="prefill/decode speed and memory (optionally vs HF transformers)")
@@ -239,6 +338,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=1024, help="tokens per window")
     p.add_argument("--compare", choices=["hf"], default=None, help="also evaluate the PyTorch model")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_kv_flags(p, eval_policies=True)
     p.set_defaults(func=cmd_eval)
     return top
 

@@ -179,3 +179,43 @@ def cached_engine(config: BuildConfig, progress: bool = True) -> Path:
         build(config, path, force=path.exists(), progress=progress)
     return path
 
+
+GQA_IO = "gqa-shared-buffer"
+
+
+def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
+                   block_size: int = 128, force: bool = False, progress: bool = True) -> Path:
+    """From an engine built by `build`, an engine for runtime.ort_cuda.GqaEngine (ORT CUDA's fast
+    decode path): GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
+    (skip_rmsnorm) and, with quant="w4a16", int4 weights as MatMulNBits. build.json records the
+    passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine)."""
+    import shutil
+
+    import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
+    import enginesmith.passes.skip_rmsnorm  # noqa: F401
+    from enginesmith.passes import parse_pipeline, run_pipeline
+
+    src, out = Path(src), Path(out)
+    manifest = engine_dir.verify(src)
+    if manifest.get("kv_layout", {}).get("io") == GQA_IO:
+        raise UserError(f"{src} is already lowered for CUDA", "lower the engine it was built from")
+    capacity = capacity or int(manifest["model"]["max_positions"])
+    steps = f"lower_gqa:capacity={capacity},skip_rmsnorm"
+    if quant == "w4a16":
+        steps += f",quantize_w4a16:block_size={block_size},lower_ort"
+    elif quant:
+        raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
+    with engine_dir.write_atomically(out, overwrite=force) as tmp:
+        report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress)
+        shutil.copytree(src / "tokenizer", tmp / "tokenizer")
+        lowered = {k: v for k, v in manifest.items() if k not in ("files", "created")}
+        lowered.update(
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
+            passes=list(manifest.get("passes", [])) + [step.spec() for step in parse_pipeline(steps)],
+            pass_counts={e["name"]: e["counts"] for e in report},
+            kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity},
+            lowered_from=str(src))
+        if quant:
+            lowered["precision"] = f"{manifest.get('precision')}+{quant}"
+        engine_dir.write_manifest(tmp, lowered)
+    return out

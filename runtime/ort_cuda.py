@@ -1,0 +1,369 @@
+"""The fast ONNX Runtime path for graphs lowered by passes/lower_gqa.py (GroupQueryAttention over a
+shared KV buffer): one KV allocation, IOBinding with fixed addresses, CUDA graphs for decode and
+verify steps, sampling on the device. Runs on CPU too (no graphs), which is how it is tested here.
+
+Dimension legend: L layers, B batch (rows of the buffer), C KV capacity, Hkv, D head size, S tokens
+per call, V vocab.
+
+Memory: `kv` [L, 2, B, Hkv, C, D] is one device tensor. Layer i's keys kv[i, 0] are bound as both
+`past_key_values.i.key` and `present.i.key`; GQA writes the new tokens in place. Row b holds
+lengths[b] tokens in slots 0..lengths[b]-1 (no holes: prompts are not padded, they are prefilled
+row by row into their row's slice), so rollback (`truncate`) only lowers lengths.
+
+    prefill          per row: batch-1 binding on kv[:, :, b], S = prompt length, no graph
+    step (B, S)      fixed buffers ids [B, S], seqlens [B], logits [B, S, V] bound once; on CUDA
+                     ORT captures it as a CUDA graph (one gpu_graph_id per shape) and replays it
+    sample           torch on the same stream: argmax, or argmax(probs / Exp(1) noise) (gpt-fast);
+                     only the sampled ids [B] cross to the host
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from enginesmith.errors import UserError
+
+SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
+CAPACITY_KEY = "enginesmith.kv_capacity"
+MAX_GRAPH_SEQ = 16  # calls of up to this many tokens per row go through fixed (graph-captured) steps
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _np_dtype(tensor) -> type:
+    torch = _torch()
+    return {torch.float16: np.float16, torch.float32: np.float32, torch.bfloat16: np.float16,
+            torch.int64: np.int64, torch.int32: np.int32}[tensor.dtype]
+
+
+def _bind(binding: ort.IOBinding, name: str, tensor, output: bool = False) -> None:
+    """Bind a contiguous torch tensor's memory (CPU or CUDA) by address."""
+    assert tensor.is_contiguous(), name
+    args = (name, tensor.device.type, tensor.device.index or 0, _np_dtype(tensor), list(tensor.shape),
+            tensor.data_ptr())
+    (binding.bind_output if output else binding.bind_input)(*args)
+
+
+class SharedKVCache:
+    """Rows 0..B-1 of the engine's KV buffer; `lengths[b]` tokens cached in row b."""
+
+    def __init__(self, engine: "GqaEngine", batch: int):
+        self.engine = engine
+        self.lengths = np.zeros(batch, dtype=np.int64)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        return int(self.lengths.max())
+
+    def truncate(self, length: int) -> None:
+        """Drop positions >= length (speculative rollback): nothing moves, rows just get shorter."""
+        np.minimum(self.lengths, length, out=self.lengths)
+
+
+@dataclass
+class _Step:
+    """Buffers and binding for calls of shape [B, S] over rows 0..B-1, captured as one CUDA graph."""
+
+    ids: object        # torch int64 [B, S]
+    seqlens: object    # torch int32 [B]
+    logits: object     # torch [B, S, V]
+    binding: ort.IOBinding
+    run_options: ort.RunOptions
+    runs: int = 0
+
+
+class GqaEngine:
+    """forward(ids, mask, positions, cache) -> logits (the Engine interface of generate/speculative)
+    plus the device paths used by `fast_generate_ids` and `greedy_forward`."""
+
+    def __init__(self, onnx_path: str | Path, device: str = "auto", max_batch: int = 1,
+                 capacity: int | None = None, cuda_graph: bool = True, threads: int | None = None,
+                 device_id: int = 0, optimization: str = "all") -> None:
+        torch = _torch()
+        available = ort.get_available_providers()
+        if device == "auto":
+            device = "cuda" if "CUDAExecutionProvider" in available and torch.cuda.is_available() else "cpu"
+        if device == "cuda" and ("CUDAExecutionProvider" not in available or not torch.cuda.is_available()):
+            raise UserError("the GQA engine needs onnxruntime-gpu and a CUDA device", "use --device cpu")
+        self.device = device
+        self.torch_device = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
+        self.cuda_graph = cuda_graph and device == "cuda"
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                                         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        opts.log_severity_level = 3
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers: list = ["CPUExecutionProvider"]
+        self.stream = None
+        if device == "cuda":
+            if hasattr(ort, "preload_dlls"):
+                ort.preload_dlls()
+            self.stream = torch.cuda.Stream(self.torch_device)  # capture needs a non-default stream
+            providers = [("CUDAExecutionProvider", {
+                "device_id": device_id, "enable_cuda_graph": "1" if self.cuda_graph else "0",
+                "user_compute_stream": str(self.stream.cuda_stream)})]
+        self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        if SEQLENS not in inputs or TOTAL not in inputs:
+            raise UserError(f"{onnx_path} is not a GQA-lowered graph (no {SEQLENS} input)",
+                            "lower it with the lower_gqa pass, or open it with OrtEngine")
+        self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
+        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        first = inputs[self.past_names[0]]
+        self.kv_heads, self.head_dim = int(first.shape[1]), int(first.shape[3])
+        self.vocab = int(self.session.get_outputs()[0].shape[-1])
+        meta = self.session.get_modelmeta().custom_metadata_map
+        limit = int(meta.get(CAPACITY_KEY, 0)) or None
+        self.capacity = capacity or limit or 4096
+        if limit and self.capacity > limit:
+            raise UserError(f"KV capacity {self.capacity} exceeds the {limit} positions the graph's rotary "
+                            "tables cover", f"use a capacity <= {limit}")
+        self.max_batch = max_batch
+        float16 = "float16" in first.type
+        self.dtype = torch.float16 if float16 else torch.float32
+        logits_type = self.session.get_outputs()[0].type
+        self.logits_dtype = torch.float16 if "float16" in logits_type else torch.float32
+        layers = len(self.past_names) // 2
+        with self._on_stream():
+            self.kv = torch.zeros(layers, 2, max_batch, self.kv_heads, self.capacity, self.head_dim,
+                                  dtype=self.dtype, device=self.torch_device)
+        self._total = np.zeros((), dtype=np.int32)  # a CPU input of GQA; bound by address
+        self._steps: dict[tuple[int, int], _Step] = {}
+        self._cache: SharedKVCache | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    def _on_stream(self):
+        import contextlib
+
+        return _torch().cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _binding(self, ids, seqlens, logits, rows: slice) -> ort.IOBinding:
+        binding = self.session.io_binding()
+        _bind(binding, "input_ids", ids)
+        _bind(binding, SEQLENS, seqlens)
+        binding.bind_input(TOTAL, "cpu", 0, np.int32, [], self._total.ctypes.data)
+        for i, (past, present) in enumerate(zip(self.past_names, self.present_names)):
+            layer, kind = divmod(i, 2)
+            buffer = self.kv[layer, kind, rows]
+            _bind(binding, past, buffer)
+            _bind(binding, present, buffer, output=True)  # the same memory: GQA's shared buffer
+        _bind(binding, "logits", logits, output=True)
+        return binding
+
+    def _step(self, batch: int, seq: int) -> _Step:
+        key = (batch, seq)
+        if key not in self._steps:
+            torch = _torch()
+            with self._on_stream():
+                ids = torch.zeros(batch, seq, dtype=torch.int64, device=self.torch_device)
+                seqlens = torch.zeros(batch, dtype=torch.int32, device=self.torch_device)
+                logits = torch.zeros(batch, seq, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
+            options = ort.RunOptions()
+            if self.cuda_graph:
+                options.add_run_config_entry("gpu_graph_id", str(len(self._steps) + 1))
+            self._steps[key] = _Step(ids, seqlens, logits, self._binding(ids, seqlens, logits, slice(0, batch)),
+                                     options)
+        return self._steps[key]
+
+    def _plain_options(self) -> ort.RunOptions:
+        options = ort.RunOptions()
+        if self.cuda_graph:
+            options.add_run_config_entry("gpu_graph_id", "-1")  # a one-off shape: no capture
+        return options
+
+    def _check_room(self, cache: SharedKVCache, seq: int) -> None:
+        if cache.length + seq > self.capacity:
+            raise UserError(f"{cache.length + seq} positions exceed the KV capacity of {self.capacity}",
+                            "build or open the engine with a larger capacity, or generate fewer tokens")
+
+    # ------------------------------------------------------------------ the Engine interface
+    def new_cache(self, batch: int) -> SharedKVCache:
+        """The cache over rows 0..batch-1 (one live cache per engine: the buffer is the engine's)."""
+        if batch > self.max_batch:
+            raise UserError(f"batch {batch} exceeds this engine's {self.max_batch} KV rows",
+                            f"open the engine with max_batch >= {batch}")
+        self._cache = SharedKVCache(self, batch)
+        return self._cache
+
+    def run_rows(self, ids: np.ndarray, cache: SharedKVCache):
+        """All rows take S new tokens: ids [B, S] -> device logits [B, S, V] (fixed step for small S)."""
+        torch = _torch()
+        batch, seq = ids.shape
+        self._check_room(cache, seq)
+        self._total[...] = cache.length + seq
+        with self._on_stream():
+            if seq <= MAX_GRAPH_SEQ:
+                step = self._step(batch, seq)
+                step.ids.copy_(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), non_blocking=False)
+                step.seqlens.copy_(torch.from_numpy((cache.lengths + seq - 1).astype(np.int32)))
+                self.session.run_with_iobinding(step.binding, step.run_options)
+                step.runs += 1
+                logits = step.logits
+            else:
+                tids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.torch_device)
+                seqlens = torch.from_numpy((cache.lengths + seq - 1).astype(np.int32)).to(self.torch_device)
+                logits = torch.empty(batch, seq, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
+                self.session.run_with_iobinding(self._binding(tids, seqlens, logits, slice(0, batch)),
+                                                self._plain_options())
+        cache.lengths += seq
+        return logits
+
+    def prefill_row(self, row: int, ids: Sequence[int], cache: SharedKVCache):
+        """Append `ids` to row `row` alone (batch-1 binding on its slice): device logits [n, V]."""
+        torch = _torch()
+        n = len(ids)
+        if cache.lengths[row] + n > self.capacity:
+            raise UserError(f"{cache.lengths[row] + n} positions exceed the KV capacity of {self.capacity}",
+                            "use a shorter prompt or a larger capacity")
+        self._total[...] = cache.lengths[row] + n
+        with self._on_stream():
+            tids = torch.tensor([list(ids)], dtype=torch.int64, device=self.torch_device)
+            seqlens = torch.tensor([cache.lengths[row] + n - 1], dtype=torch.int32, device=self.torch_device)
+            logits = torch.empty(1, n, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
+            self.session.run_with_iobinding(self._binding(tids, seqlens, logits, slice(row, row + 1)),
+                                            self._plain_options())
+        cache.lengths[row] += n
+        return logits[0]
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                cache: SharedKVCache) -> np.ndarray:
+        """ids/positions [B, S], mask [B, P+S] -> logits [B, S, V] fp32 (numpy).
+
+        Positions come from the cache (row b's next slot); left padding (mask 0 in the new
+        columns) is dropped and the row's real tokens are appended alone; pad columns get 0."""
+        batch, seq = input_ids.shape
+        real = attention_mask[:, -seq:].astype(bool)
+        if real.all():
+            return self.run_rows(input_ids, cache).float().cpu().numpy()
+        out = np.zeros((batch, seq, self.vocab), dtype=np.float32)
+        for row in range(batch):
+            if real[row].any():
+                out[row, real[row]] = self.prefill_row(row, input_ids[row, real[row]].tolist(), cache).float().cpu().numpy()
+        return out
+
+    def greedy_forward(self, ids: Sequence[int], cache: SharedKVCache) -> np.ndarray:
+        """Batch 1: append ids [S] and return the argmax after each of them [S] (speculative verify
+        without moving logits to the host)."""
+        logits = self.run_rows(np.asarray([list(ids)], dtype=np.int64), cache)
+        with self._on_stream():
+            return logits[0].argmax(-1).cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- device sampling
+
+def sample_on_device(logits, params, generator=None, seen=None):
+    """Next ids [B] (torch int64) from logits [B, V] on their device, with sampling.sample's
+    processors in its order (penalty, temperature, top-k, top-p) and gpt-fast's draw:
+    argmax(probs / Exp(1) noise) is a sample from probs, with no host sync. `seen` [B, V] bool."""
+    torch = _torch()
+    x = logits.float()
+    if seen is not None and params.repetition_penalty != 1.0:
+        p = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+    if params.greedy:
+        return x.argmax(-1)
+    x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = x.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= params.top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, ordered)
+    probs = x.softmax(-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+@dataclass
+class DecodeTimes:
+    prefill_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+
+
+def fast_generate_ids(engine: GqaEngine, prompts: Sequence[Sequence[int]], config, pad_id: int = 0,
+                      times: DecodeTimes | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """generate.generate_ids on the device: (next ids [B], finished-before-this-step [B]) per step.
+
+    Prefill row by row, then one fixed [B, 1] step per token (a CUDA graph replay on CUDA);
+    sampling stays on the device and only the ids come back. Finished rows keep running."""
+    import time
+
+    torch = _torch()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("empty prompt", "give at least one token of prompt")
+    longest = max(len(p) for p in prompts)
+    limit = min(engine.capacity, config.max_positions or engine.capacity)
+    if longest >= limit:
+        raise UserError(f"prompt of {longest} tokens does not fit the context of {limit} tokens", "shorten the prompt")
+    budget = min(config.max_new_tokens, limit - longest)
+    params = config.sampling
+    generator = None
+    if not params.greedy:
+        generator = torch.Generator(engine.torch_device)
+        generator.manual_seed(params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63))
+    stop = np.array(sorted(set(config.stop_token_ids)), dtype=np.int64)
+    cache = engine.new_cache(len(prompts))
+    start = time.perf_counter()
+    with engine._on_stream():
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(len(prompts), engine.vocab, dtype=torch.bool, device=engine.torch_device)
+            for row, p in enumerate(prompts):
+                seen[row, torch.tensor(list(p), device=engine.torch_device)] = True
+        logits = torch.stack([engine.prefill_row(row, p, cache)[-1] for row, p in enumerate(prompts)])
+        finished = np.zeros(len(prompts), dtype=bool)
+        step = engine._step(len(prompts), 1)
+        step.seqlens.copy_(torch.from_numpy(cache.lengths.astype(np.int32)))  # seqlens_k = length before + 1 - 1
+        for i in range(budget):
+            next_ids = sample_on_device(logits, params, generator, seen)
+            host = next_ids.cpu().numpy()  # the one host sync per token
+            if times is not None:
+                now = time.perf_counter()
+                times.step_s.append(now - start) if i else setattr(times, "prefill_s", now - start)
+                start = now
+            yield host, finished.copy()
+            finished |= np.isin(host, stop)
+            if finished.all() or i == budget - 1:
+                return
+            if seen is not None:
+                seen.scatter_(1, next_ids[:, None], True)
+            step.ids.copy_(next_ids[:, None])
+            engine._total[...] = cache.length + 1
+            engine.session.run_with_iobinding(step.binding, step.run_options)
+            step.runs += 1
+            step.seqlens.add_(1)
+            cache.lengths += 1
+            logits = step.logits[:, 0]
+
+
+def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, capacity: int | None = None,
+                    cuda_graph: bool = True):
+    """A LoadedEngine (runtime.load) whose engine is a GqaEngine, for an engine directory built
+    with the GQA lowering (build.json kv_layout.io == "gqa-shared-buffer")."""
+    from transformers import AutoTokenizer
+
+    from enginesmith import engine_dir
+    from enginesmith.runtime.load import LoadedEngine
+
+    path = Path(path)
+    manifest = engine_dir.verify(path, lambda m: None)
+    engine = GqaEngine(path / manifest["graph"], device=device, max_batch=max_batch,
+                       capacity=capacity or manifest.get("kv_layout", {}).get("capacity"), cuda_graph=cuda_graph)
+    return LoadedEngine(path, manifest, engine, AutoTokenizer.from_pretrained(path / "tokenizer"))

@@ -55,6 +55,40 @@ def _add_kv_flags(p: argparse.ArgumentParser, eval_policies: bool = False) -> No
     g.add_argument("--kv-window", type=int, default=1020, help="recent tokens kept (default 1020)")
 
 
+def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (greedy output is unchanged; sampling keeps the model's distribution)")
+    g.add_argument("--speculative", metavar="MODE", default=None,
+                   help="ngram (prompt lookup: drafts copied from the prompt and output so far) or "
+                        "draft:PATH (a small engine dir or model with the same tokenizer proposes tokens)")
+    g.add_argument("--k", type=int, default=4, help="most draft tokens per target call (adaptive; default 4)")
+
+
+def _speculative(args):
+    """The SpeculativeConfig for --speculative/--k (validated before any model is loaded), or None."""
+    from enginesmith.runtime.speculative import SpeculativeConfig
+
+    if not getattr(args, "speculative", None):
+        return None
+    if args.speculative != "ngram" and not args.speculative.startswith("draft:"):
+        raise UserError(f"unknown --speculative mode {args.speculative!r}", "use --speculative ngram or draft:PATH")
+    return SpeculativeConfig(k=args.k)
+
+
+def _decoder(args, loaded, spec):
+    from enginesmith.runtime.speculative import SpeculativeDecoder, open_drafter
+
+    drafter = open_drafter(args.speculative, loaded.engine.vocab, loaded.tokenizer, device=args.device,
+                           threads=args.threads)
+    return SpeculativeDecoder(drafter, spec)
+
+
+def _print_speculative(decoder) -> None:
+    s = decoder.stats
+    print(f"[speculative] {s.new_tokens} tokens in {s.target_calls} target calls "
+          f"({s.tokens_per_target_call or 0:.2f} tokens/call), acceptance {s.acceptance_rate or 0:.2f}",
+          file=sys.stderr)
+
+
 def _build_config(args, kv: str | None = None, sinks: int | None = None, window: int | None = None):
     from enginesmith.build import BuildConfig
 
@@ -74,6 +108,13 @@ def _open(args, config=None):
         raise UserError("--kv was given with --engine, whose KV layout was fixed when it was built",
                         "leave out --engine, or build the engine with `enginesmith build --kv ring`")
     path = Path(args.engine) if args.engine else cached_engine(config or _build_config(args))
+    from enginesmith import engine_dir
+    from enginesmith.build import GQA_IO
+
+    if engine_dir.read_manifest(path).get("kv_layout", {}).get("io") == GQA_IO:  # lowered for ORT CUDA
+        from enginesmith.runtime.ort_cuda import open_gqa_engine
+
+        return open_gqa_engine(path, device=args.device, max_batch=max(1, len(getattr(args, "prompt", []) or [])))
     return open_engine(path, device=args.device, threads=args.threads)
 
 
@@ -133,20 +174,24 @@ def cmd_run(args) -> int:
     from enginesmith.runtime.generate import stream
 
     sampling = _sampling(args)
+    spec = _speculative(args)
     loaded = _open(args)
     config = _generation_config(args, loaded, sampling)
+    decoder = _decoder(args, loaded, spec) if spec else None
     prompts = [encode_prompt(loaded.tokenizer, p, raw=args.raw, system=args.system) for p in args.prompt]
     if len(prompts) == 1:  # stream to the terminal as tokens arrive
         if args.raw:
             print(args.prompt[0], end="", flush=True)
-        for deltas in stream(loaded.engine, loaded.tokenizer, prompts, config, loaded.pad_id):
+        for deltas in stream(loaded.engine, loaded.tokenizer, prompts, config, loaded.pad_id, decoder):
             print(deltas[0], end="", flush=True)
         print()
-        return 0
-    from enginesmith.runtime.generate import generate
+    else:
+        from enginesmith.runtime.generate import generate
 
-    for i, done in enumerate(generate(loaded.engine, loaded.tokenizer, prompts, config, loaded.pad_id)):
-        print(f"[{i}] {args.prompt[i] if args.raw else ''}{done.text}")
+        for i, done in enumerate(generate(loaded.engine, loaded.tokenizer, prompts, config, loaded.pad_id, decoder)):
+            print(f"[{i}] {args.prompt[i] if args.raw else ''}{done.text}")
+    if decoder:
+        _print_speculative(decoder)
     return 0
 
 
@@ -222,11 +267,29 @@ def _chat_stream(loaded, config, system: str | None) -> int:
 def cmd_bench(args) -> int:
     from enginesmith.measure import report
 
+    spec = _speculative(args)
     loaded = _open(args)
     result = report.bench(loaded, args.prompt_tokens, args.new_tokens, args.batch, args.repeats,
                           compare_hf=args.compare == "hf", threads=args.threads)
-    print(json.dumps(result) if args.json else report.format_bench(result))
+    if spec:
+        from enginesmith.measure import speed
+        from enginesmith.runtime.chat import stop_token_ids
+
+        drafter = _decoder(args, loaded, spec).drafter
+        prompt = speed.make_prompt(args.prompt_tokens, 1, loaded.engine.vocab, loaded.tokenizer)[0]
+        result["speculative"] = speed.bench_speculative(loaded.engine, drafter, prompt, args.new_tokens, spec.k,
+                                                        args.repeats, stop_token_ids(loaded.tokenizer, loaded.manifest))
+    print(json.dumps(result) if args.json else report.format_bench(result) + _format_speculative(result))
     return 0
+
+
+def _format_speculative(result: dict) -> str:
+    s = result.get("speculative")
+    if not s:
+        return ""
+    return (f"\nspeculative ({s['drafter']}, k={s['k']}): {s['speculative_tok_s']:.1f} tok/s vs plain "
+            f"{s['plain_tok_s']:.1f} (x{s['speedup']:.2f}), acceptance {s['acceptance_rate'] or 0:.2f}, "
+            f"{s['tokens_per_target_call'] or 0:.2f} tokens/target call, identical output: {s['identical']}")
 
 
 def cmd_eval(args) -> int:
@@ -311,6 +374,7 @@ def parser() -> argparse.ArgumentParser:
     _add_sampling_flags(p)
     p.add_argument("--raw", action="store_true", help="continue the text as is (no chat template)")
     _add_kv_flags(p)
+    _add_speculative_flags(p)
     p.set_defaults(func=cmd_run)
 
     p = verbs.add_parser("chat", help="interactive chat that streams its answers")
@@ -327,6 +391,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--compare", choices=["hf"], default=None, help="also measure HF transformers eager")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_speculative_flags(p)
     p.set_defaults(func=cmd_bench)
 
     p = verbs.add_parser("eval", help="accuracy: perplexity on a text file or the Jane Austen corpus")

@@ -357,13 +357,12 @@ def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, 
                     cuda_graph: bool = True):
     """A LoadedEngine (runtime.load) whose engine is a GqaEngine, for an engine directory built
     with the GQA lowering (build.json kv_layout.io == "gqa-shared-buffer")."""
-    from transformers import AutoTokenizer
-
     from enginesmith import engine_dir
     from enginesmith.runtime.load import LoadedEngine
+    from enginesmith.runtime.tokenizer import Tokenizer
 
     path = Path(path)
     manifest = engine_dir.verify(path, lambda m: None)
     engine = GqaEngine(path / manifest["graph"], device=device, max_batch=max_batch,
                        capacity=capacity or manifest.get("kv_layout", {}).get("capacity"), cuda_graph=cuda_graph)
-    return LoadedEngine(path, manifest, engine, AutoTokenizer.from_pretrained(path / "tokenizer"))
+    return LoadedEngine(path, manifest, engine, Tokenizer(path / "tokenizer"))

@@ -192,9 +192,17 @@ def check_compatible(draft_vocab: int, target_vocab: int, draft_tokenizer=None, 
         raise UserError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
                         f"({target_vocab})", "use a draft model with the target's tokenizer, or --speculative ngram")
     if draft_tokenizer is not None and target_tokenizer is not None \
-            and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+            and _fingerprint(draft_tokenizer) != _fingerprint(target_tokenizer):
         raise UserError("the draft model's tokenizer maps tokens to different ids than the target's",
                         "use a draft model with the target's tokenizer, or --speculative ngram")
+
+
+_PROBE = "The quick brown fox, 1234 café ∑ <|im_start|> naïve Übermaß 東京 \n\t end."
+
+
+def _fingerprint(tokenizer) -> tuple:
+    """Vocabulary size and the ids of a probe text: equal for tokenizers that map text alike."""
+    return len(tokenizer), tuple(tokenizer.encode(_PROBE, add_special_tokens=False))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -255,10 +263,15 @@ def speculative_tokens(target, drafter, prompt: Sequence[int], config, spec: Spe
         raise UserError(f"the {type(cache).__name__} KV cache has no rollback (truncate)",
                         "use a KV layout with rollback (dense, ring, paged) or run without --speculative")
     drafter.reset(context)
-    logits = _forward(target, cache, context, 0)[-1]
+    # A device engine can verify greedy drafts without moving logits to the host (argmax per row).
+    on_device = params.greedy and params.repetition_penalty == 1.0 and hasattr(target, "greedy_forward")
+    if on_device:
+        token = int(target.greedy_forward(context, cache)[-1])
+    else:
+        logits = _forward(target, cache, context, 0)[-1]
+        token = _greedy(logits, params, context) if params.greedy else _draw(_distribution(logits, params, context), rng)
     stats.target_calls += 1
     cached = len(context)  # target cache holds context[:cached]
-    token = _greedy(logits, params, context) if params.greedy else _draw(_distribution(logits, params, context), rng)
     k = spec.k
     produced = 0
     while True:
@@ -271,13 +284,18 @@ def speculative_tokens(target, drafter, prompt: Sequence[int], config, spec: Spe
         room = budget - produced  # tokens we may still emit; a call emits at most k + 1
         kk = min(k, room - 1)
         drafts, qs = drafter.propose(context, kk, params, rng, stats) if kk > 0 else ([], None)
-        rows = _forward(target, cache, context[cached:].tolist() + drafts, cached) if drafts else \
-            _forward(target, cache, context[cached:], cached)
+        feed = context[cached:].tolist() + drafts
         stats.target_calls += 1
         stats.proposed += len(drafts)
         stats.k_history.append(len(drafts))
-        rows = rows[len(context) - cached - 1:]  # row i predicts the token after context + drafts[:i]
-        accepted, token = _verify(rows, drafts, qs, params, rng, context)
+        skip = len(context) - cached - 1  # row skip + i predicts the token after context + drafts[:i]
+        if on_device:
+            best = target.greedy_forward(feed, cache)[skip:]
+            accepted = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
+            token = int(best[accepted])
+        else:
+            rows = _forward(target, cache, np.asarray(feed), cached)[skip:]
+            accepted, token = _verify(rows, drafts, qs, params, rng, context)
         stats.accepted += accepted
         cached = len(context) + accepted
         cache.truncate(cached)

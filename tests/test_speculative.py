@@ -258,15 +258,18 @@ def test_bad_input_is_a_user_error():
         sp.open_drafter("bogus", 5)
 
     class Tok:
-        def __init__(self, vocab):
-            self.vocab = vocab
+        def __init__(self, shift):
+            self.shift = shift
 
-        def get_vocab(self):
-            return self.vocab
+        def __len__(self):
+            return 5
+
+        def encode(self, text, add_special_tokens=True):
+            return [(ord(c) + self.shift) % 5 for c in text]
 
     with pytest.raises(UserError, match="tokenizer"):
-        sp.check_compatible(5, 5, Tok({"a": 0, "b": 1}), Tok({"a": 1, "b": 0}))
-    sp.check_compatible(5, 5, Tok({"a": 0}), Tok({"a": 0}))
+        sp.check_compatible(5, 5, Tok(0), Tok(1))
+    sp.check_compatible(5, 5, Tok(2), Tok(2))
 
     class NoRollback(ToyLM):
         def new_cache(self, batch):
@@ -281,3 +284,33 @@ def test_open_drafter_refuses_a_draft_with_another_vocabulary(tiny_engine, tmp_p
     """A draft engine whose vocabulary differs from the target's is refused before decoding."""
     with pytest.raises(UserError, match="vocabulary"):
         sp.open_drafter(f"draft:{tiny_engine('llama')}", target_vocab=1000)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def test_cli_run_and_bench_with_speculation(tiny_engine, capsys):
+    from enginesmith.cli import main
+
+    engine = str(tiny_engine("llama"))
+    assert main(["run", "--engine", engine, "--device", "cpu", "--speculative", "ngram", "--k", "3",
+                 "--max-tokens", "10", "--raw", "the cat the cat the"]) == 0
+    assert "[speculative]" in capsys.readouterr().err
+    assert main(["bench", "--engine", engine, "--device", "cpu", "--speculative", "ngram", "--new-tokens", "12",
+                 "--prompt-tokens", "16", "--repeats", "1", "--json"]) == 0
+    import json
+
+    result = json.loads(capsys.readouterr().out)
+    assert result["speculative"]["identical"] and result["speculative"]["target_calls"] >= 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative", "ngram", "--k", "0"], "invalid speculative k=0"),
+    (["--speculative", "ngram", "--k", "-1"], "invalid speculative k=-1"),
+    (["--speculative", "bogus"], "unknown --speculative mode"),
+])
+def test_cli_bad_speculative_flags(flags, message, capsys):
+    """Refused before any model is loaded: one line, exit code 2."""
+    from enginesmith.cli import main
+
+    assert main(["run", "--model", "tiny:llama", *flags, "hi"]) == 2
+    assert message in capsys.readouterr().err

@@ -184,15 +184,18 @@ GQA_IO = "gqa-shared-buffer"
 
 
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
-                   block_size: int = 128, force: bool = False, progress: bool = True) -> Path:
+                   block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
+                   progress: bool = True) -> Path:
     """From an engine built by `build`, an engine for runtime.ort_cuda.GqaEngine (ORT CUDA's fast
     decode path): GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
-    (skip_rmsnorm) and, with quant="w4a16", int4 weights as MatMulNBits. build.json records the
+    (skip_rmsnorm) and, with quant="w4a16", int4 weights as MatMulNBits (the lm_head too with
+    quantize_lm_head, after untie_lm_head gives a tied one its own matrix). build.json records the
     passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine)."""
     import shutil
 
     import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
     import enginesmith.passes.skip_rmsnorm  # noqa: F401
+    import enginesmith.passes.untie_lm_head  # noqa: F401
     from enginesmith.passes import parse_pipeline, run_pipeline
 
     src, out = Path(src), Path(out)
@@ -202,7 +205,8 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     capacity = capacity or int(manifest["model"]["max_positions"])
     steps = f"lower_gqa:capacity={capacity},skip_rmsnorm"
     if quant == "w4a16":
-        steps += f",quantize_w4a16:block_size={block_size},lower_ort"
+        lm_head = ",untie_lm_head" if quantize_lm_head else ""
+        steps += f"{lm_head},quantize_w4a16:block_size={block_size}:include_lm_head={quantize_lm_head},lower_ort"
     elif quant:
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
     with engine_dir.write_atomically(out, overwrite=force) as tmp:

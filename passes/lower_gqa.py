@@ -238,6 +238,14 @@ def _tables(model: ir.Model, m: Match, capacity: int, d: int, memo: dict) -> tup
     return result[0], result[1]
 
 
+def _shared_table(graph: ir.Graph, namer: Namer, memo: dict, name: str, table: np.ndarray) -> ir.Value:
+    """One initializer per distinct rotary table (every layer usually shares one)."""
+    key = (name, table.dtype.str, table.shape, hash(table.tobytes()))
+    if key not in memo:
+        memo[key] = add_initializer(graph, namer, name, table)
+    return memo[key]
+
+
 class _Reject(Exception):
     pass
 
@@ -253,8 +261,8 @@ def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, 
     attention = m["attention"].producer()
     base = attention.name or "attention"
     wqkv = add_initializer(graph, namer, f"{base}.qkv_weight", np.concatenate([wq, wk, wv], axis=1))
-    cos_v = add_initializer(graph, namer, f"{base}.cos_cache", cos.astype(np_dtype))
-    sin_v = add_initializer(graph, namer, f"{base}.sin_cache", sin.astype(np_dtype))
+    cos_v, sin_v = (_shared_table(graph, namer, memo, name, table.astype(np_dtype))
+                    for name, table in (("rotary.cos_cache", cos), ("rotary.sin_cache", sin)))
     nodes = [ir.Node("", "MatMul", [m["x"], wqkv], num_outputs=1, name=namer(f"{base}_qkv"))]
     qkv = nodes[-1].outputs[0]
     if m["q_bias"]:

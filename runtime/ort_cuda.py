@@ -271,6 +271,8 @@ def sample_on_device(logits, params, generator=None, seen=None):
     processors in its order (penalty, temperature, top-k, top-p) and gpt-fast's draw:
     argmax(probs / Exp(1) noise) is a sample from probs, with no host sync. `seen` [B, V] bool."""
     torch = _torch()
+    if params.greedy and (seen is None or params.repetition_penalty == 1.0):
+        return logits.argmax(-1)  # no cast: one kernel
     x = logits.float()
     if seen is not None and params.repetition_penalty != 1.0:
         p = params.repetition_penalty

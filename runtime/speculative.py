@@ -261,7 +261,8 @@ def speculative_tokens(target, drafter, prompt: Sequence[int], config, spec: Spe
     cache = target.new_cache(1)
     if not hasattr(cache, "truncate"):
         raise UserError(f"the {type(cache).__name__} KV cache has no rollback (truncate)",
-                        "use a KV layout with rollback (dense, ring, paged) or run without --speculative")
+                        "use a KV layout with rollback (dense, paged) or run without --speculative")
+    cache.truncate(0)  # an empty cache: a no-op, unless the layout refuses rollback (fail before decoding)
     drafter.reset(context)
     # A device engine can verify greedy drafts without moving logits to the host (argmax per row).
     on_device = params.greedy and params.repetition_penalty == 1.0 and hasattr(target, "greedy_forward")

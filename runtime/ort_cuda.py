@@ -117,7 +117,15 @@ class GqaEngine:
             providers = [("CUDAExecutionProvider", {
                 "device_id": device_id, "enable_cuda_graph": "1" if self.cuda_graph else "0",
                 "user_compute_stream": str(self.stream.cuda_stream)})]
-        self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        self.shared_stream = device == "cuda"  # ORT and torch enqueue on one stream: no syncs between
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        except ort.capi.onnxruntime_pybind11_state.Fail:
+            if device != "cuda":
+                raise
+            del providers[0][1]["user_compute_stream"]  # ORT's own stream; sync before each run
+            self.shared_stream = False
+            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         if SEQLENS not in inputs or TOTAL not in inputs:
             raise UserError(f"{onnx_path} is not a GQA-lowered graph (no {SEQLENS} input)",
@@ -180,6 +188,11 @@ class GqaEngine:
                                      options)
         return self._steps[key]
 
+    def _run(self, binding: ort.IOBinding, options: ort.RunOptions) -> None:
+        if self.stream is not None and not self.shared_stream:
+            self.stream.synchronize()  # torch's writes to the bound inputs must land first
+        self.session.run_with_iobinding(binding, options)
+
     def _plain_options(self) -> ort.RunOptions:
         options = ort.RunOptions()
         if self.cuda_graph:
@@ -211,15 +224,14 @@ class GqaEngine:
                 step = self._step(batch, seq)
                 step.ids.copy_(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), non_blocking=False)
                 step.seqlens.copy_(torch.from_numpy((cache.lengths + seq - 1).astype(np.int32)))
-                self.session.run_with_iobinding(step.binding, step.run_options)
+                self._run(step.binding, step.run_options)
                 step.runs += 1
                 logits = step.logits
             else:
                 tids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.torch_device)
                 seqlens = torch.from_numpy((cache.lengths + seq - 1).astype(np.int32)).to(self.torch_device)
                 logits = torch.empty(batch, seq, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
-                self.session.run_with_iobinding(self._binding(tids, seqlens, logits, slice(0, batch)),
-                                                self._plain_options())
+                self._run(self._binding(tids, seqlens, logits, slice(0, batch)), self._plain_options())
         cache.lengths += seq
         return logits
 
@@ -235,8 +247,7 @@ class GqaEngine:
             tids = torch.tensor([list(ids)], dtype=torch.int64, device=self.torch_device)
             seqlens = torch.tensor([cache.lengths[row] + n - 1], dtype=torch.int32, device=self.torch_device)
             logits = torch.empty(1, n, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
-            self.session.run_with_iobinding(self._binding(tids, seqlens, logits, slice(row, row + 1)),
-                                            self._plain_options())
+            self._run(self._binding(tids, seqlens, logits, slice(row, row + 1)), self._plain_options())
         cache.lengths[row] += n
         return logits[0]
 
@@ -348,7 +359,7 @@ def fast_generate_ids(engine: GqaEngine, prompts: Sequence[Sequence[int]], confi
                 seen.scatter_(1, next_ids[:, None], True)
             step.ids.copy_(next_ids[:, None])
             engine._total[...] = cache.length + 1
-            engine.session.run_with_iobinding(step.binding, step.run_options)
+            engine._run(step.binding, step.run_options)
             step.runs += 1
             step.seqlens.add_(1)
             cache.lengths += 1

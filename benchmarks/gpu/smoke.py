@@ -74,7 +74,8 @@ def run(out: Path) -> None:
                                                   sp.SpeculativeConfig(k=4), stats))
                 result[key] = {"steps_matching_cpu": f"{same}/{len(got)}", "repeatable": got == again,
                                "speculative_identical": spec == [r[0] for r in got],
-                               "spec": stats.to_json(), "runs": {str(k): s.runs for k, s in engine._steps.items()}}
+                               "spec": stats.to_json(), "runs": {str(k): s.runs for k, s in engine._steps.items()},
+                               "shared_stream": engine.shared_stream}
             except Exception as exc:  # noqa: BLE001
                 import traceback
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,7 +22,9 @@ from enginesmith import __version__, engine_dir
 from enginesmith.errors import UserError
 from enginesmith.paths import cache_dir
 
-BACKENDS = ("ort",)
+BACKENDS = ("ort", "trt")
+_LATER_FIELDS = ("quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
+                 "trt_version")
 KV_LAYOUTS = ("dense", "ring")
 
 
@@ -31,11 +33,21 @@ class BuildConfig:
     model: str | None = None     # see models.load.resolve
     dtype: str = "fp32"
     opset: int = 23
-    backend: str = "ort"
-    passes: tuple = field(default_factory=tuple)  # reserved for the pass pipeline
+    backend: str = "ort"         # "ort" | "trt"
     kv_layout: str = "dense"     # "ring": StreamingLLM cache of kv_sinks + kv_window slots
     kv_sinks: int = 4
     kv_window: int = 1020
+    # graph passes (enginesmith.passes): a preset and/or an explicit pipeline, then the lowering
+    quant: str | None = None     # w8a8-naive | w8a8-sq | w4a16-rtn | w4a16-awq
+    passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
+    block_size: int = 128        # W4A16 block along K
+    alpha: float = 0.5           # SmoothQuant / AWQ migration strength
+    calib_text: str | None = None  # calibration text file (default: the Austen corpus)
+    calib_samples: int = 32
+    # TensorRT (backend "trt"): a deploy.trt_build.TrtBuildConfig, a Jetson preset, a lint target
+    trt: object | None = None
+    preset: str | None = None
+    trt_version: str | None = None
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -49,6 +61,11 @@ class BuildConfig:
         fields = {k: v for k, v in asdict(self).items() if k != "model"}
         if self.kv_layout == "dense":  # dense engines keep the keys they had before the kv_ options
             fields = {k: v for k, v in fields.items() if not k.startswith("kv_")}
+        # plain engines keep the keys they had before the pass and TensorRT options
+        plain = BuildConfig()
+        fields = {k: v for k, v in fields.items()
+                  if k not in _LATER_FIELDS or v != getattr(plain, k)}
+        fields["passes"] = fields.get("passes") or []
         settings = json.dumps(fields, sort_keys=True)
         return f"{source_sha[:16]}-{hashlib.sha256((settings + __version__).encode()).hexdigest()[:12]}"
 
@@ -96,21 +113,39 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
 
     if config.backend not in BACKENDS:
         raise UserError(f"unknown backend {config.backend!r}", f"use one of: {', '.join(BACKENDS)}")
+    trt_version = _check_tensorrt(config) if config.backend == "trt" else None  # before minutes of export
+    dtype, opset = _export_settings(config)
+    steps = pipeline(config)
     source = models.resolve(config.model)
     out = Path(out)
     started = time.time()
-    with engine_dir.write_atomically(out, overwrite=force) as tmp, \
-            _stages(["load", "export", "tokenizer", "manifest"], progress) as stage:
+    report: list[dict] = []
+    trt = config.backend == "trt"
+    names = ["load", "export"] + ["passes"] * bool(steps) + ["tokenizer"] + ["tensorrt"] * trt + ["manifest"]
+    with engine_dir.write_atomically(out, overwrite=force) as tmp, _stages(names, progress) as stage:
         stage("load model")
         loaded = models.load(source)
         kv_layout = _kv_layout(config, KVShape.of(loaded.model.config).max_positions)
         stage("export to ONNX")
-        if config.kv_layout == "dense":
-            export(loaded.model, tmp / "model.onnx", dtype=config.dtype, opset=config.opset)
+        if steps:  # passes start from the plain dense export, built once and cached
+            plain = replace(config, kv_layout="dense", quant=None, passes=None, backend="ort", trt=None,
+                            preset=None, trt_version=None, dtype=dtype, opset=opset)
+            src = cached_engine(plain, progress=progress) / "model.onnx"
         else:
-            _ring_graph(config, tmp / "model.onnx", progress)
+            export(loaded.model, tmp / "model.onnx", dtype=dtype, opset=opset)
+        if steps:
+            stage("graph passes")
+            report = _run_passes(config, steps, src, tmp / "model.onnx", loaded.tokenizer, progress)
         stage("tokenizer")
         loaded.tokenizer.save_pretrained(tmp / "tokenizer")
+        backend = {"name": "onnxruntime", "version": ort.__version__}
+        if trt:
+            stage("TensorRT engine")
+            from enginesmith.deploy import jetson, trt_build
+
+            target = config.trt_version or (jetson.preset(config.preset).lint_target() if config.preset else None)
+            backend = trt_build.build_tensorrt(tmp, config.trt or trt_build.trt_config(config.preset), target)
+            backend.setdefault("version", trt_version)
         stage("hashes + build.json")
         cfg = loaded.model.config
         shape = KVShape.of(cfg)
@@ -127,17 +162,68 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
                 "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
             },
             "graph": "model.onnx",
-            "precision": config.dtype,
-            "opset": config.opset if config.kv_layout == "dense" else max(config.opset, 24),
-            "passes": list(config.passes) + ([f"kv_ring:sinks={config.kv_sinks},window={config.kv_window}"]
-                                             if config.kv_layout == "ring" else []),
+            "precision": dtype + (f"+{config.quant}" if config.quant else ""),
+            "opset": opset if config.kv_layout == "dense" else max(opset, 24),
+            "passes": [step.spec() for step in steps],
+            "pass_report": [{k: e[k] for k in ("name", "params", "exact", "counts", "max_diff", "seconds")}
+                            for e in report],
+            "calibration": _calibration_note(config, steps),
             "kv_layout": kv_layout,
-            "backend": {"name": "onnxruntime", "version": ort.__version__},
+            "backend": backend,
             "exporter": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "python": platform.python_version()},
             "build_seconds": round(time.time() - started, 1),
         })
     return out
+
+
+def pipeline(config: BuildConfig) -> list:
+    """The pass steps of a build: quantization preset and/or explicit passes, the KV layout, the
+    backend lowering (empty for a plain dense engine)."""
+    if not (config.quant or config.passes or config.kv_layout != "dense"):
+        return []
+    from enginesmith.passes import build_pipeline, make_step
+
+    steps = build_pipeline(quant=config.quant, passes_text=config.passes, block_size=config.block_size,
+                           alpha=config.alpha, backend=config.backend)
+    if config.kv_layout == "ring":
+        ring = make_step("kv_ring", {"sinks": str(config.kv_sinks), "window": str(config.kv_window)})
+        at = next((i for i, s in enumerate(steps) if s.name.startswith("lower_")), len(steps))
+        steps.insert(at, ring)
+    return steps
+
+
+def _run_passes(config: BuildConfig, steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
+    from enginesmith.passes import calibration_set, passes, run_pipeline
+
+    calibration = None
+    if any(passes()[s.name].calibrated for s in steps):
+        calibration = calibration_set(tokenizer, config.calib_text, samples=config.calib_samples)
+    return run_pipeline(src, dst, steps, calibration=calibration, progress=progress)
+
+
+def _calibration_note(config: BuildConfig, steps: list) -> dict | None:
+    from enginesmith.passes import passes
+
+    if not steps or not any(passes()[s.name].calibrated for s in steps):
+        return None
+    return {"text": config.calib_text or "austen:prideprejudice", "samples": config.calib_samples}
+
+
+def _export_settings(config: BuildConfig) -> tuple[str, int]:
+    """dtype and opset of the export: a Jetson preset fixes both (its TensorRT parses only those)."""
+    if config.backend == "trt" and config.preset:
+        from enginesmith.deploy import jetson
+
+        p = jetson.preset(config.preset)
+        return p.dtype, p.opset
+    return config.dtype, config.opset
+
+
+def _check_tensorrt(config: BuildConfig) -> str:
+    from enginesmith.deploy import trt_build
+
+    return trt_build.check_ready(config.preset)
 
 
 def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
@@ -150,17 +236,6 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
                         f"slots exceeds the model's context of {max_positions} positions",
                         f"use --sinks + --kv-window <= {max_positions}")
     return {"type": "ring", "sinks": config.kv_sinks, "window": config.kv_window, "capacity": capacity}
-
-
-def _ring_graph(config: BuildConfig, out: Path, progress: bool) -> None:
-    """The ring graph: the kv_ring pass over the dense engine's graph (built once, cached)."""
-    from dataclasses import replace
-
-    from enginesmith.passes import run_pipeline
-
-    dense = cached_engine(replace(config, kv_layout="dense"), progress=progress)
-    run_pipeline(dense / "model.onnx", out, f"kv_ring:sinks={config.kv_sinks},window={config.kv_window}",
-                 progress=False)
 
 
 def default_engine_path(config: BuildConfig) -> Path:

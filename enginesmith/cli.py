@@ -162,8 +162,18 @@ def cmd_export(args) -> int:
 def cmd_build(args) -> int:
     from enginesmith.build import BuildConfig, build
 
+    trt = None
+    if args.backend == "trt":
+        from enginesmith.deploy import trt_build
+
+        trt = trt_build.config_from_args(args)
+    elif args.preset:
+        raise UserError("--preset is a TensorRT (Jetson) preset", "add --backend trt")
     path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend,
-                             kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window),
+                             kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window,
+                             quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
+                             calib_text=args.calib_text, calib_samples=args.calib_samples,
+                             trt=trt, preset=args.preset, trt_version=args.trt_version),
                  Path(args.out), force=args.force)
     print(path)
     return 0
@@ -363,10 +373,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="engine directory to create")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--opset", type=int, default=23)
-    p.add_argument("--backend", default="ort", help="ort (ONNX Runtime)")
+    p.add_argument("--backend", default="ort", choices=["ort", "trt"],
+                   help="ort (ONNX Runtime, default) or trt (TensorRT: needs tensorrt and a GPU)")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
     _add_kv_flags(p)
+    g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ, ...)")
+    g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"],
+                   help="quantization preset")
+    g.add_argument("--passes", default=None, metavar="PIPELINE",
+                   help="explicit passes, e.g. smoothquant:alpha=0.6,quantize_w8a8 (after --quant's)")
+    g.add_argument("--block-size", type=int, default=128, help="W4A16 block size along K (32/64/128)")
+    g.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant/AWQ migration strength in [0, 1]")
+    g.add_argument("--calib-text", metavar="FILE", default=None,
+                   help="calibration text (default: Pride and Prejudice)")
+    g.add_argument("--calib-samples", type=int, default=32, help="calibration sequences of 512 tokens")
+    from enginesmith.deploy import trt_build
+
+    trt_build.add_arguments(p)
     p.set_defaults(func=cmd_build)
+
+    p = verbs.add_parser("trt-lint", help="check a graph against what a TensorRT version can parse")
+    from enginesmith.deploy import trt_lint
+
+    trt_lint.add_arguments(p)
+    p.set_defaults(func=trt_lint.run)
+
+    p = verbs.add_parser("triton", help="write a Triton Inference Server model repository for an engine")
+    from enginesmith.deploy import triton
+
+    triton.add_arguments(p)
+    p.set_defaults(func=triton.run)
 
     p = verbs.add_parser("run", help="generate from one or more prompts (one prompt streams)")
     p.add_argument("prompt", nargs="+", help="prompt text; several prompts run as one batch")

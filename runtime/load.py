@@ -50,9 +50,19 @@ def check_backend(manifest: dict) -> None:
 
 def open_engine(path: str | Path, device: str = "auto", threads: int | None = None,
                 verify_hashes: bool = True) -> LoadedEngine:
+    """The one front door: TensorRT plans, CUDA-lowered (GroupQueryAttention) and plain ORT engines."""
     path = Path(path)
+    layout = engine_dir.read_manifest(path)
+    if layout.get("backend", {}).get("name") == "tensorrt":
+        from enginesmith.runtime.trt_engine import open_trt_engine
+
+        return open_trt_engine(path, verify_hashes=verify_hashes)
+    if layout.get("kv_layout", {}).get("io") == "gqa-shared-buffer":
+        from enginesmith.runtime.ort_cuda import open_gqa_engine
+
+        return open_gqa_engine(path, device=device)
     manifest = engine_dir.verify(path, check_backend, hashes=verify_hashes)
-    if manifest.get("precision") == "bf16" and resolve_device(device) == "cpu":
+    if str(manifest.get("precision", "")).startswith("bf16") and resolve_device(device) == "cpu":
         raise EngineError(f"{path} is a bf16 engine; ONNX Runtime runs bf16 MatMul only on CUDA",
                           "use --device cuda with onnxruntime-gpu, or build with --dtype fp16 or fp32 for CPU")
     try:

@@ -99,7 +99,7 @@ def test_engine_built_for_another_backend(engine_copy):
     manifest = json.loads((engine_copy / "build.json").read_text())
     manifest["backend"] = {"name": "tensorrt", "version": "10.15"}
     (engine_copy / "build.json").write_text(json.dumps(manifest))
-    assert_one_line_error(cli("run", "hi", "--engine", str(engine_copy)), 3, "tensorrt")
+    assert_one_line_error(cli("run", "hi", "--engine", str(engine_copy)), 3, "TensorRT")
 
 
 def test_existing_output_needs_force(engine_copy):

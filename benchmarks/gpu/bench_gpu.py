@@ -152,7 +152,7 @@ def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int) -
     from enginesmith.runtime.ort_cuda import GqaEngine
 
     out = {}
-    for name in ("fp16", "w4a16"):
+    for name in ("fp16", "w4a16", "w4a16lm"):
         path = graphs / f"llama1b_{name}.onnx"
         if not path.exists():
             out[name] = {"error": f"{path} not carried"}
@@ -224,7 +224,7 @@ def prepare(graphs: Path, work: Path, smol: bool) -> dict:
     from enginesmith.build import BuildConfig, build, lower_for_cuda
 
     out = {}
-    for name in ("fp16", "w4a16"):
+    for name in ("fp16", "w4a16", "w4a16lm"):
         path = graphs / f"llama1b_{name}.onnx"
         if path.exists():
             t = time.time()

@@ -81,33 +81,49 @@ def ours(engine, batch: int, prompt_len: int, new_tokens: int, warmup: int, reps
             "ttft_ms": 1e3 * statistics.median(prefill), "cuda_graph": engine.cuda_graph}
 
 
+class _TokenClock:
+    """A generate() streamer that only notes when each new token arrives (put is called with the
+    prompt first, then once per generated token)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        self.times.append(time.perf_counter())
+
+
 def hf_generate(model, batch: int, prompt_len: int, new_tokens: int, reps: int, static: bool, seed: int = 0) -> dict:
+    """Decode tok/s of model.generate (greedy, min = max new tokens) from the first generated token to
+    the last; with static=True, HF's static cache, which generate() compiles (torch.compile,
+    CUDA graphs: its default CompileConfig) on CUDA."""
     import torch
 
     rng = np.random.default_rng(seed)
-    ids = torch.tensor(rng.integers(3, 120000 if model.config.vocab_size > 120000 else model.config.vocab_size - 3,
-                                    (batch, prompt_len)), device="cuda")
+    ids = torch.tensor(rng.integers(3, min(model.config.vocab_size - 3, 120000), (batch, prompt_len)), device="cuda")
     mask = torch.ones_like(ids)
     extra = {"cache_implementation": "static"} if static else {}
 
-    def run(n):
+    def run():
+        clock = _TokenClock()
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0, **extra)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, streamer=clock, **extra)
         torch.cuda.synchronize()
-        assert out.shape[1] == prompt_len + n
-        return time.perf_counter() - t
+        assert out.shape[1] == prompt_len + new_tokens
+        first = clock.times[1]  # [0]: the prompt, [1]: token 1, ..., [-1]: end
+        return first - start, clock.times[-1] - first
 
-    for _ in range(3 if static else 1):  # static: compile + CUDA-graph recording happen here
-        run(new_tokens)
-        run(1)
-    full = [run(new_tokens) for _ in range(reps)]
-    first = [run(1) for _ in range(reps)]
-    d = statistics.median(full) - statistics.median(first)
+    for _ in range(3 if static else 1):  # static: compilation and CUDA-graph recording happen here
+        run()
+    runs = [run() for _ in range(reps)]
+    d = statistics.median(r[1] for r in runs)
     return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "reps": reps,
             "decode_tok_s": batch * (new_tokens - 1) / d, "ms_per_step": 1e3 * d / (new_tokens - 1),
-            "ttft_ms": 1e3 * statistics.median(first), "static_cache": static,
+            "ttft_ms": 1e3 * statistics.median(r[0] for r in runs), "static_cache": static,
             "compiled": getattr(model, "_compiled_call", None) is not None}
 
 
@@ -192,6 +208,7 @@ def hf(new_tokens: int, reps: int) -> dict:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float16).eval()
     out = {"weight_bytes": torch_weight_bytes(model)}
     out["eager"] = hf_generate(model, 1, 128, min(new_tokens, 64), reps=3, static=False)
+    save()
     print(f"   eager {out['eager']['decode_tok_s']:.1f} tok/s", flush=True)
     out["static_compile"] = hf_generate(model, 1, 128, new_tokens, reps=reps, static=True)
     del model

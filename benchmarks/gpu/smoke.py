@@ -41,7 +41,7 @@ def prepare() -> None:
     (GRAPHS / "tiny_ref.json").write_text(json.dumps(refs))
 
 
-def run(out: Path) -> None:
+def run(out: Path, tiny_only: bool = False) -> None:
     import onnxruntime as ort
     import torch
 
@@ -82,6 +82,8 @@ def run(out: Path) -> None:
                 result[key] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2500:]}
             print(key, result[key], flush=True)
             dump()
+    if tiny_only:
+        return
     bw = measure_copy_bandwidth(size_mib=512, repeats=10, threads=4).get("cuda_gbs")
     result["copy_bandwidth_gbs"] = bw
     path = GRAPHS / "llama1b_fp16.onnx"
@@ -113,8 +115,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("verb", choices=["prepare", "run"])
     ap.add_argument("--out", type=Path, default=Path("smoke.json"))
+    ap.add_argument("--tiny-only", action="store_true")
     args = ap.parse_args(argv)
-    prepare() if args.verb == "prepare" else run(args.out)
+    prepare() if args.verb == "prepare" else run(args.out, args.tiny_only)
     return 0
 
 

@@ -43,9 +43,9 @@ def prompts(tokenizer, limit: int | None = None) -> list[tuple[str, list[int]]]:
     passages = json.loads((HERE / "passages.json").read_text())["passages"][:limit]
     out = []
     for i, p in enumerate(passages):
-        out.append((f"quote/{p['novel']}", encode_prompt(
+        out.append((f"quote/{p['novel']}#{i}", encode_prompt(
             tokenizer, "Repeat the following passage exactly, word for word:\n\n" + p["text"])))
-        out.append((f"correct/{p['novel']}", encode_prompt(
+        out.append((f"correct/{p['novel']}#{i}", encode_prompt(
             tokenizer, "Correct the spelling mistakes in this passage and write it out in full:\n\n"
             + typos(p["text"], seed=i))))
     return out

@@ -234,7 +234,7 @@ def genai(script: Path, work: Path) -> dict:
 
 
 @section("prepare")
-def prepare(graphs: Path, work: Path, smol: bool) -> dict:
+def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     """CPU work, overlapping the GenAI builds: random weights for the 1B skeletons, the SmolLM2
     fp16 engine (export from the GGUF) and its GQA lowering."""
     from benchmarks.gpu import skeleton
@@ -243,7 +243,7 @@ def prepare(graphs: Path, work: Path, smol: bool) -> dict:
     out = {}
     for name in ("fp16", "w4a16", "w4a16lm"):
         path = graphs / f"llama1b_{name}.onnx"
-        if path.exists():
+        if llama and path.exists():
             t = time.time()
             out[f"llama1b_{name}_bytes"] = skeleton.materialize(path)
             out[f"llama1b_{name}_s"] = round(time.time() - t, 1)
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     bw = (RESULTS.get("device") or {}).get("copy_bandwidth_gbs")
     if want("genai") and args.genai_script:
         genai_build(args.genai_script, args.work)
-    prepare(args.graphs, args.work, want("smollm2") or want("smollm2_ngram"))
+    prepare(args.graphs, args.work, want("smollm2") or want("smollm2_ngram"), want("llama1b"))
     _wait_genai_build()
     if want("llama1b"):
         llama1b(args.graphs, bw, args.new_tokens, args.reps)

@@ -450,6 +450,8 @@ def lower_paged_graph(model: ir.Model, target: str) -> int:
     if not nodes:
         return 0
     graph, namer = model.graph, Namer(model.graph)
+    if len({_int(n, "block_size") for n in nodes}) != 1:
+        raise UserError("PagedAttention nodes with different page sizes in one graph", "rebuild with kv_paged")
     if target == "cpu":
         shared = _CpuShared(graph, namer, nodes[0])
         for node in nodes:
@@ -473,6 +475,11 @@ def lower_paged_graph(model: ir.Model, target: str) -> int:
 
 
 # ----------------------------------------------------------------------------- self-check
+
+def is_paged(session) -> bool:
+    """True for an ONNX Runtime session of a paged graph (what verify.compare would dispatch on)."""
+    return "block_tables" in {i.name for i in session.get_inputs()}
+
 
 def paged_steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarray]:
     """Logits of a prefill of `ids` [B, S] and one decode step of `next_ids` [B, 1] on a paged

@@ -352,3 +352,29 @@ def test_bad_input_is_refused_with_the_reason(paged, h64, tiny_engine, tmp_path)
     cache = PagedKVCache.for_session(OrtEngine(paged_path, device="cpu", threads=1).session, 1, num_pages=2)
     with pytest.raises(UserError, match="pool .* is full"):
         cache.feeds(np.ones((1, 9), np.int64), np.zeros((1, 9), np.int64))  # 9 tokens > 1 page of 4
+
+
+def test_rollback_and_row_selection(paged):
+    """truncate (speculative decoding's rollback) forgets positions, select drops rows and returns
+    their pages; the logits that follow equal the dense cache's after the same operations."""
+    dense_path, paged_path, _ = paged("llama", 4)
+    engines = {"dense": OrtEngine(dense_path, device="cpu", threads=1), "paged": paged_engine(paged_path)}
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, VOCAB, (2, 9))
+    retry = rng.integers(0, VOCAB, (2, 3))
+    out = {}
+    for name, engine in engines.items():
+        cache = engine.new_cache(2)
+        engine.forward(ids, np.ones_like(ids), np.arange(9)[None].repeat(2, 0), cache)
+        cache.truncate(6)                                      # drop the last 3 positions
+        mask = np.ones((2, 9), np.int64)
+        first = engine.forward(retry, mask, np.arange(6, 9)[None].repeat(2, 0), cache)
+        cache.select(np.array([1]))
+        nxt = engine.forward(retry[1:, :1], np.ones((1, 10), np.int64), np.array([[9]]), cache)
+        out[name] = (first, nxt)
+        if name == "paged":
+            assert cache.manager.seqs.keys() == {"row1"} and cache.length == 10
+            cache.manager.check_invariants()
+            assert cache.manager.num_free_blocks == cache.pool.num_pages - 1 - 3  # 10 tokens: 3 pages
+    for a, b in zip(out["paged"], out["dense"]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)

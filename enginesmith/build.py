@@ -23,9 +23,9 @@ from enginesmith.errors import UserError
 from enginesmith.paths import cache_dir
 
 BACKENDS = ("ort", "trt")
-_LATER_FIELDS = ("quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
+_LATER_FIELDS = ("page_size", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
                  "trt_version")
-KV_LAYOUTS = ("dense", "ring")
+KV_LAYOUTS = ("dense", "ring", "paged")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class BuildConfig:
     kv_layout: str = "dense"     # "ring": StreamingLLM cache of kv_sinks + kv_window slots
     kv_sinks: int = 4
     kv_window: int = 1020
+    page_size: int = 16          # "paged": tokens per KV page (block)
     # graph passes (enginesmith.passes): a preset and/or an explicit pipeline, then the lowering
     quant: str | None = None     # w8a8-naive | w8a8-sq | w4a16-rtn | w4a16-awq
     passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
@@ -190,6 +191,11 @@ def pipeline(config: BuildConfig) -> list:
         ring = make_step("kv_ring", {"sinks": str(config.kv_sinks), "window": str(config.kv_window)})
         at = next((i for i, s in enumerate(steps) if s.name.startswith("lower_")), len(steps))
         steps.insert(at, ring)
+    if config.kv_layout == "paged":  # the CPU lowering is a decomposed reference; TensorRT gets the plugin
+        paged = make_step("kv_paged", {"page_size": str(config.page_size),
+                                       "lower": "trt" if config.backend == "trt" else "cpu"})
+        at = next((i for i, s in enumerate(steps) if s.name.startswith("lower_")), len(steps))
+        steps.insert(at, paged)
     return steps
 
 
@@ -230,6 +236,11 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
     """build.json's kv_layout, after checking the ring fits the model's context."""
     if config.kv_layout == "dense":
         return {"type": "dense", "capacity": max_positions}
+    if config.kv_layout == "paged":
+        if config.page_size not in (16, 32, 64) and config.backend == "trt":
+            raise UserError(f"page size {config.page_size} is not one the PagedAttention plugin supports",
+                            "use --page-size 16, 32 or 64")
+        return {"type": "paged", "page_size": config.page_size, "capacity": max_positions}
     capacity = config.kv_sinks + config.kv_window
     if capacity > max_positions:
         raise UserError(f"a ring KV cache of {config.kv_sinks} sinks + {config.kv_window} window = {capacity} "

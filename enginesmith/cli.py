@@ -50,7 +50,9 @@ def _add_kv_flags(p: argparse.ArgumentParser, eval_policies: bool = False) -> No
         g.add_argument("--stride", type=int, default=1, help="recompute: tokens scored per forward (1 = exact)")
         g.add_argument("--plot", metavar="PNG", default=None, help="write perplexity over position to PNG")
     else:
-        g.add_argument("--kv", choices=["dense", "ring"], default="dense", help="KV layout (default dense)")
+        g.add_argument("--kv", choices=["dense", "ring", "paged"], default="dense",
+                       help="KV layout (default dense; paged = fixed-size pages + block tables)")
+        g.add_argument("--page-size", type=int, default=16, help="paged: tokens per KV page (default 16)")
     g.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept forever (default 4)")
     g.add_argument("--kv-window", type=int, default=1020, help="recent tokens kept (default 1020)")
 
@@ -94,7 +96,8 @@ def _build_config(args, kv: str | None = None, sinks: int | None = None, window:
 
     kv = kv or getattr(args, "kv", None) or "dense"
     return BuildConfig(model=args.model, kv_layout=kv, kv_sinks=getattr(args, "sinks", 4) if sinks is None else sinks,
-                       kv_window=getattr(args, "kv_window", 1020) if window is None else window)
+                       kv_window=getattr(args, "kv_window", 1020) if window is None else window,
+                       page_size=getattr(args, "page_size", 16))
 
 
 def _open(args, config=None):
@@ -171,7 +174,7 @@ def cmd_build(args) -> int:
         raise UserError("--preset is a TensorRT (Jetson) preset", "add --backend trt")
     path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend,
                              kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window,
-                             quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
+                             page_size=args.page_size, quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
                              calib_text=args.calib_text, calib_samples=args.calib_samples,
                              trt=trt, preset=args.preset, trt_version=args.trt_version),
                  Path(args.out), force=args.force)

@@ -43,7 +43,7 @@ def check_backend(manifest: dict) -> None:
     if backend.get("name") != "onnxruntime":
         raise EngineError(f"this engine was built for backend {backend.get('name')!r}; this runtime runs "
                           "onnxruntime engines", "rebuild with `enginesmith build --backend ort`")
-    if manifest.get("kv_layout", {}).get("type", "dense") not in ("dense", "ring"):
+    if manifest.get("kv_layout", {}).get("type", "dense") not in ("dense", "ring", "paged"):
         raise EngineError(f"KV layout {manifest['kv_layout']['type']!r} is not supported by this runtime",
                           "rebuild with the dense KV layout")
 

@@ -62,14 +62,18 @@ class OrtEngine:
         self.kv_dtype = _NP_DTYPES[first.type]
         logits = self.session.get_outputs()[0]
         self.vocab = int(logits.shape[-1])
-        self.kv_layout = "ring" if "write_indices" in inputs else "dense"
+        self.kv_layout = "ring" if "write_indices" in inputs else "paged" if "block_tables" in inputs else "dense"
 
     def new_cache(self, batch: int):
-        """DenseKVCache, or RingKVCache for a graph rewritten by the kv_ring pass."""
+        """DenseKVCache, or the Ring/Paged cache for a graph rewritten by kv_ring / kv_paged."""
         if self.kv_layout == "ring":
             from enginesmith.runtime.kv_ring import RingKVCache
 
             return RingKVCache.for_session(self.session, batch, self.device)
+        if self.kv_layout == "paged":
+            from enginesmith.runtime.kv_paged import PagedKVCache
+
+            return PagedKVCache.for_session(self.session, batch, self.device)
         return DenseKVCache.empty(self.past_names, self.present_names, batch, self.kv_heads,
                                   self.head_dim, self.kv_dtype, self.device)
 

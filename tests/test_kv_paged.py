@@ -378,3 +378,21 @@ def test_rollback_and_row_selection(paged):
             assert cache.manager.num_free_blocks == cache.pool.num_pages - 1 - 3  # 10 tokens: 3 pages
     for a, b in zip(out["paged"], out["dense"]):
         np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+
+
+def test_paged_engine_from_build_generates_like_the_dense_engine(tiny_engine):
+    """`enginesmith build --kv paged` end to end: build.json layout and greedy tokens equal dense."""
+    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.runtime.generate import GenerationConfig, generate
+    from enginesmith.runtime.load import open_engine
+
+    paged = open_engine(cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged", page_size=16),
+                                      progress=False), device="cpu")
+    dense = open_engine(tiny_engine("llama"), device="cpu")
+    assert paged.manifest["kv_layout"] == {"type": "paged", "page_size": 16, "capacity": 512}
+    assert paged.engine.kv_layout == "paged"
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    cfg = GenerationConfig(max_new_tokens=20)
+    got = [c.token_ids for c in generate(paged.engine, paged.tokenizer, prompts, cfg)]
+    want = [c.token_ids for c in generate(dense.engine, dense.tokenizer, prompts, cfg)]
+    assert got == want

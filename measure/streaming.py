@@ -109,9 +109,36 @@ def run_cached(policy: str, engine, ids: np.ndarray, sample_every: int = 256, ch
     return StreamRun(policy, nll, seconds, 1000 * float(np.median(warm)), settings, memory, rss)
 
 
+def last_token_graph(src, dst) -> str:
+    """A copy of the dense graph `src` whose logits are those of the last position only ([B, 1, V]):
+    what re-computation needs per generated token, without moving [B, W, V] logits to the host."""
+    from pathlib import Path
+
+    import onnx_ir as ir
+
+    model = ir.load(src)
+    graph = model.graph
+    logits = next(v for v in graph.outputs if v.name == "logits")
+    consts = [ir.Value(name=f"last_token_{k}", const_value=ir.Tensor(np.array([v], np.int64), name=f"last_token_{k}"))
+              for k, v in (("start", -1), ("end", 2**62), ("axis", 1))]
+    for c in consts:
+        c.shape, c.type = ir.Shape([1]), ir.TensorType(ir.DataType.INT64)
+        graph.register_initializer(c)
+    node = ir.Node("", "Slice", [logits, *consts], num_outputs=1, name="last_token_logits")
+    graph.append(node)
+    logits.name = "logits_all"
+    out = node.outputs[0]
+    out.name, out.type = "logits", logits.type
+    graph.outputs[list(graph.outputs).index(logits)] = out
+    ir.save(model, dst, external_data=Path(dst).name + ".data")
+    return str(dst)
+
+
 def run_recompute(engine, ids: np.ndarray, window: int, stride: int = 1, batch: int = 8,
-                  progress: bool = True) -> StreamRun:
-    """Sliding window with re-computation over a dense `engine` (see the module doc)."""
+                  progress: bool = True, last_engine=None) -> StreamRun:
+    """Sliding window with re-computation over a dense `engine` (see the module doc).
+    `last_engine` (the same graph through `last_token_graph`) serves windows that score only their
+    last token (all but the first at stride 1) and times the per-token cost."""
     if not 1 <= stride <= window:
         raise UserError(f"--stride {stride} is outside [1, {window}]", "use a stride between 1 and the window")
     n = len(ids)
@@ -127,13 +154,19 @@ def run_recompute(engine, ids: np.ndarray, window: int, stride: int = 1, batch: 
         while i + len(group) < len(plan) and len(group) < batch and \
                 plan[i + len(group)][1] - plan[i + len(group)][0] == length:
             group.append(plan[i + len(group)])
-        rows = np.stack([ids[b:e] for b, e, _ in group])
-        mask = np.ones_like(rows)
-        logits = engine.forward(rows, mask, np.broadcast_to(np.arange(length), rows.shape).copy(),
-                                engine.new_cache(len(group)))
+        last_only = last_engine is not None and all(e - f == 1 for _, e, f in group)
+        if last_only:  # the window's own tokens but its target: the last position predicts it
+            rows = np.stack([ids[b:e - 1] for b, e, _ in group])
+            runner, offset = last_engine, length - 2
+        else:
+            rows = np.stack([ids[b:e] for b, e, _ in group])
+            runner, offset = engine, 0
+        logits = runner.forward(rows, np.ones_like(rows), np.broadcast_to(np.arange(rows.shape[1]), rows.shape).copy(),
+                                runner.new_cache(len(group)))
         for row, (begin, end, first) in enumerate(group):
             targets = ids[first:end]
-            nll[first - 1:end - 1] = _nll_rows(logits[row, first - 1 - begin:end - 1 - begin], targets)
+            nll[first - 1:end - 1] = _nll_rows(logits[row, first - 1 - begin - offset:end - 1 - begin - offset],
+                                               targets)
         rss.append((group[-1][1], rss_mib()["rss_mib"]))
         bar.update(sum(e - f for _, e, f in group))
         i += len(group)
@@ -141,9 +174,10 @@ def run_recompute(engine, ids: np.ndarray, window: int, stride: int = 1, batch: 
     seconds = time.perf_counter() - started
     times = []
     probe = ids[None, :min(window, n)]
-    for _ in range(3):  # the cost per generated token: one W-token forward, batch 1
+    timed = last_engine or engine
+    for _ in range(5):  # the cost per generated token: one W-token forward, batch 1
         t0 = time.perf_counter()
-        engine.forward(probe, np.ones_like(probe), np.arange(probe.shape[1])[None], engine.new_cache(1))
+        timed.forward(probe, np.ones_like(probe), np.arange(probe.shape[1])[None], timed.new_cache(1))
         times.append(time.perf_counter() - t0)
     return StreamRun("recompute", nll, seconds, 1000 * float(np.median(times)),
                      {"window": window, "stride": stride, "batch": batch}, [], rss)
@@ -153,8 +187,8 @@ def summary(run: StreamRun, bin_tokens: int = 1024) -> dict:
     """Perplexity overall and per `bin_tokens` of position, speed and memory, as plain numbers."""
     nll = run.nll[~np.isnan(run.nll)]
     bins = [float(math.exp(run.nll[i:i + bin_tokens].mean())) for i in range(0, len(run.nll), bin_tokens)]
-    cache = [m for _, m in run.cache_mib]
-    rss = [m for _, m in run.rss_mib if m is not None]
+    cache = [float(m) for _, m in run.cache_mib]
+    rss = [float(m) for _, m in run.rss_mib if m is not None and not math.isnan(m)]
     return {
         "policy": run.policy, **run.settings, "tokens": int(len(nll)),
         "ppl": float(math.exp(nll.mean())), "ppl_last_bin": bins[-1], "ppl_bins": bins, "bin_tokens": bin_tokens,

@@ -282,3 +282,34 @@ def test_chat_session_keeps_one_cache(tiny_engine):
         "".join(session.turn("And then?"))
         assert session.last.prompt_tokens < prompt_first  # no system line, no history re-fed
     assert first and session.generated == 150 and session.cache.count[0] > 64  # wrapped
+
+
+def test_recompute_with_last_token_graph_is_exact(ring, tmp_path):
+    """Re-computation through the last-position-logits copy of the graph scores every token exactly
+    as the full-logits graph does."""
+    from enginesmith.measure import streaming
+
+    dense_path, _ = ring("llama", 2, 8)
+    last = streaming.last_token_graph(dense_path, tmp_path / "last.onnx")
+    dense, last_engine = OrtEngine(dense_path, device="cpu"), OrtEngine(last, device="cpu")
+    ids = np.random.default_rng(4).integers(0, 49152, 60)
+    full = streaming.run_recompute(dense, ids, window=10, stride=1, batch=4, progress=False)
+    fast = streaming.run_recompute(dense, ids, window=10, stride=1, batch=4, progress=False, last_engine=last_engine)
+    assert not np.isnan(full.nll).any()
+    np.testing.assert_allclose(fast.nll, full.nll, atol=1e-6)
+
+
+def test_streaming_chat_benchmark_short_version(tmp_path):
+    """benchmarks/streaming/chat_stream.py, short: a session far past the cache in constant memory."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "streaming" / "chat_stream.py"
+    subprocess.run([sys.executable, str(script), "--model", "tiny:llama", "--tokens", "600", "--sinks", "2",
+                    "--kv-window", "30", "--turn-tokens", "50", "--every", "100", "--warmup", "200",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    result = json.loads((tmp_path / "chat_stream.json").read_text())
+    assert result["generated_tokens"] >= 600 and result["tokens_through_cache"] > 20 * 32
+    assert len({s["cache_mib"] for s in result["samples"]}) == 1
+    assert result["rss_growth_mib"] < 20, result["rss_growth_mib"]

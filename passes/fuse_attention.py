@@ -240,6 +240,8 @@ def fuse_attention(model: ir.Model, params: FuseAttentionParams | None = None,
                    ctx: PassContext | None = None) -> PassResult:
     """Unfused attention (TorchScript, opset < 23, eager) -> ONNX Attention; GQA repeat folded."""
     existing = sum(1 for n in model.graph if n.op_type == "Attention" and n.domain == "")
+    if not any(n.op_type == "Softmax" for n in model.graph):  # nothing unfused: leave the graph as it is
+        return PassResult({"attention_fused": 0, "gqa_folded": 0, "already_fused": existing, "not_fused": 0})
     annotate(model)
     found, rejected = match.find(model, UnfusedAttention())
     if found:

@@ -12,9 +12,17 @@ row by row into their row's slice), so rollback (`truncate`) only lowers lengths
 
     prefill          per row: batch-1 binding on kv[:, :, b], S = prompt length, no graph
     step (B, S)      fixed buffers ids [B, S], seqlens [B], logits [B, S, V] bound once; on CUDA
-                     ORT captures it as a CUDA graph (one gpu_graph_id per shape) and replays it
+                     captured as a CUDA graph after warm-up runs and replayed
     sample           torch on the same stream: argmax, or argmax(probs / Exp(1) noise) (gpt-fast);
                      only the sampled ids [B] cross to the host
+
+CUDA graphs, two ways (`cuda_graph=`):
+    "torch" (default)  torch.cuda.graph captures ORT's Run (its kernels go to our stream through
+                       user_compute_stream; run option disable_synchronize_execution_providers) and,
+                       for greedy decode, the argmax into the ids buffer and seqlens += 1: one replay
+                       per token, no host sync inside; the host reads token n while step n+1 runs.
+    "ort"              ORT's own capture (enable_cuda_graph, gpu_graph_id per shape); ORT syncs the
+                       stream after every replay (cuda_graph.cc), so host work between steps is exposed.
 """
 
 from __future__ import annotations
@@ -83,14 +91,17 @@ class _Step:
     binding: ort.IOBinding
     run_options: ort.RunOptions
     runs: int = 0
+    graph: object = None   # torch.cuda.CUDAGraph once captured ("torch" mode)
 
 
 class GqaEngine:
     """forward(ids, mask, positions, cache) -> logits (the Engine interface of generate/speculative)
     plus the device paths used by `fast_generate_ids` and `greedy_forward`."""
 
+    WARMUP_RUNS = 2  # plain runs of a step before capture (ORT's arena must hold all it needs)
+
     def __init__(self, onnx_path: str | Path, device: str = "auto", max_batch: int = 1,
-                 capacity: int | None = None, cuda_graph: bool = True, threads: int | None = None,
+                 capacity: int | None = None, cuda_graph: bool | str = True, threads: int | None = None,
                  device_id: int = 0, optimization: str = "all") -> None:
         torch = _torch()
         available = ort.get_available_providers()
@@ -100,7 +111,11 @@ class GqaEngine:
             raise UserError("the GQA engine needs onnxruntime-gpu and a CUDA device", "use --device cpu")
         self.device = device
         self.torch_device = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
-        self.cuda_graph = cuda_graph and device == "cuda"
+        mode = {True: "torch", False: "none"}.get(cuda_graph, cuda_graph)
+        if mode not in ("torch", "ort", "none"):
+            raise UserError(f"unknown cuda_graph mode {cuda_graph!r}", "use torch, ort or none")
+        self.graph_mode = mode if device == "cuda" else "none"
+        self.cuda_graph = self.graph_mode != "none"
         opts = ort.SessionOptions()
         opts.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                                          "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
@@ -115,7 +130,7 @@ class GqaEngine:
                 ort.preload_dlls()
             self.stream = torch.cuda.Stream(self.torch_device)  # capture needs a non-default stream
             providers = [("CUDAExecutionProvider", {
-                "device_id": device_id, "enable_cuda_graph": "1" if self.cuda_graph else "0",
+                "device_id": device_id, "enable_cuda_graph": "1" if self.graph_mode == "ort" else "0",
                 "user_compute_stream": str(self.stream.cuda_stream)})]
         self.shared_stream = device == "cuda"  # ORT and torch enqueue on one stream: no syncs between
         try:
@@ -125,6 +140,9 @@ class GqaEngine:
                 raise
             del providers[0][1]["user_compute_stream"]  # ORT's own stream; sync before each run
             self.shared_stream = False
+            if self.graph_mode == "torch":  # capturing ORT's kernels needs them on our stream
+                self.graph_mode = "ort"
+                providers[0][1]["enable_cuda_graph"] = "1"
             self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         if SEQLENS not in inputs or TOTAL not in inputs:
@@ -173,8 +191,8 @@ class GqaEngine:
         _bind(binding, "logits", logits, output=True)
         return binding
 
-    def _step(self, batch: int, seq: int) -> _Step:
-        key = (batch, seq)
+    def _step(self, batch: int, seq: int, tail: str = "") -> _Step:
+        key = (batch, seq, tail) if tail else (batch, seq)
         if key not in self._steps:
             torch = _torch()
             with self._on_stream():
@@ -182,8 +200,10 @@ class GqaEngine:
                 seqlens = torch.zeros(batch, dtype=torch.int32, device=self.torch_device)
                 logits = torch.zeros(batch, seq, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
             options = ort.RunOptions()
-            if self.cuda_graph:
+            if self.graph_mode == "ort":
                 options.add_run_config_entry("gpu_graph_id", str(len(self._steps) + 1))
+            elif self.graph_mode == "torch":  # no stream sync at the end of Run: it may be captured
+                options.add_run_config_entry("disable_synchronize_execution_providers", "1")
             self._steps[key] = _Step(ids, seqlens, logits, self._binding(ids, seqlens, logits, slice(0, batch)),
                                      options)
         return self._steps[key]
@@ -195,9 +215,28 @@ class GqaEngine:
 
     def _plain_options(self) -> ort.RunOptions:
         options = ort.RunOptions()
-        if self.cuda_graph:
+        if self.graph_mode == "ort":
             options.add_run_config_entry("gpu_graph_id", "-1")  # a one-off shape: no capture
         return options
+
+    def _replay(self, step: _Step, tail=None) -> None:
+        """Run a fixed step: plain runs first, then (CUDA) a captured graph, replayed from then on.
+        `tail()` (torch ops after the model, e.g. the greedy argmax) is part of the step."""
+        if self.graph_mode != "torch" or step.runs < self.WARMUP_RUNS:
+            self._run(step.binding, step.run_options)
+            if tail is not None:
+                tail()
+        else:
+            if step.graph is None:
+                torch = _torch()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                    self.session.run_with_iobinding(step.binding, step.run_options)
+                    if tail is not None:
+                        tail()
+                step.graph = graph  # capturing ran nothing: replay below does this step
+            step.graph.replay()
+        step.runs += 1
 
     def _check_room(self, cache: SharedKVCache, seq: int) -> None:
         if cache.length + seq > self.capacity:
@@ -221,11 +260,13 @@ class GqaEngine:
         self._total[...] = cache.length + seq
         with self._on_stream():
             if seq <= MAX_GRAPH_SEQ:
+                # A graph replays what GQA's host code saw at capture: give it the buffer's bound
+                # (as GenAI does); the per-row lengths live on the device (seqlens_k).
+                self._total[...] = self.capacity
                 step = self._step(batch, seq)
                 step.ids.copy_(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), non_blocking=False)
                 step.seqlens.copy_(torch.from_numpy((cache.lengths + seq - 1).astype(np.int32)))
-                self._run(step.binding, step.run_options)
-                step.runs += 1
+                self._replay(step)
                 logits = step.logits
             else:
                 tids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.torch_device)
@@ -342,28 +383,72 @@ def fast_generate_ids(engine: GqaEngine, prompts: Sequence[Sequence[int]], confi
                 seen[row, torch.tensor(list(p), device=engine.torch_device)] = True
         logits = torch.stack([engine.prefill_row(row, p, cache)[-1] for row, p in enumerate(prompts)])
         finished = np.zeros(len(prompts), dtype=bool)
-        step = engine._step(len(prompts), 1)
-        step.seqlens.copy_(torch.from_numpy(cache.lengths.astype(np.int32)))  # seqlens_k = length before + 1 - 1
-        for i in range(budget):
-            next_ids = sample_on_device(logits, params, generator, seen)
-            host = next_ids.cpu().numpy()  # the one host sync per token
+
+        def emit(host: np.ndarray, i: int):
+            nonlocal start
             if times is not None:
                 now = time.perf_counter()
                 times.step_s.append(now - start) if i else setattr(times, "prefill_s", now - start)
                 start = now
-            yield host, finished.copy()
-            finished |= np.isin(host, stop)
-            if finished.all() or i == budget - 1:
-                return
+            out = host, finished.copy()
+            finished[...] |= np.isin(host, stop)
+            return out
+
+        next_ids = sample_on_device(logits, params, generator, seen)
+        # Greedy without a penalty: the argmax is part of the captured step, which feeds itself.
+        in_graph = params.greedy and params.repetition_penalty == 1.0
+        step = engine._step(len(prompts), 1, "greedy" if in_graph else "")
+        step.seqlens.copy_(torch.from_numpy(cache.lengths.astype(np.int32)))  # seqlens_k = length before + 1 - 1
+        step.ids.copy_(next_ids[:, None])
+        yield emit(next_ids.cpu().numpy(), 0)
+        if finished.all() or budget == 1:
+            return
+        engine._total[...] = engine.capacity  # see run_rows
+        if in_graph:
+            yield from _greedy_steps(engine, step, cache, budget, finished, emit)
+            return
+        for i in range(1, budget):
             if seen is not None:
                 seen.scatter_(1, next_ids[:, None], True)
-            step.ids.copy_(next_ids[:, None])
-            engine._total[...] = cache.length + 1
-            engine._run(step.binding, step.run_options)
-            step.runs += 1
+            engine._replay(step)
             step.seqlens.add_(1)
             cache.lengths += 1
-            logits = step.logits[:, 0]
+            next_ids = sample_on_device(step.logits[:, 0], params, generator, seen)
+            step.ids.copy_(next_ids[:, None])
+            yield emit(next_ids.cpu().numpy(), i)  # the one host sync per token
+            if finished.all():
+                return
+
+
+def _greedy_steps(engine: GqaEngine, step: _Step, cache: SharedKVCache, budget: int, finished, emit):
+    """Tokens 1..budget-1: each replay runs the model, writes argmax into step.ids and bumps seqlens.
+    On CUDA the next step is queued before the host waits for this one's ids (one step ahead)."""
+    torch = _torch()
+
+    def tail():
+        step.ids.copy_(step.logits[:, -1].argmax(-1, keepdim=True))
+        step.seqlens.add_(1)
+
+    cuda = engine.stream is not None
+    slots = torch.empty((2, step.ids.shape[0]), dtype=torch.int64, pin_memory=cuda)
+    events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+
+    def enqueue(i: int) -> None:
+        engine._replay(step, tail)
+        cache.lengths += 1
+        slots[i % 2].copy_(step.ids[:, 0], non_blocking=cuda)
+        if cuda:
+            events[i % 2].record(engine.stream)
+
+    enqueue(1)
+    for i in range(1, budget):
+        if i + 1 < budget:
+            enqueue(i + 1)  # the GPU works on token i+1 while the host takes token i
+        if cuda:
+            events[i % 2].synchronize()
+        yield emit(slots[i % 2].numpy().copy(), i)
+        if finished.all():
+            return
 
 
 def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, capacity: int | None = None,

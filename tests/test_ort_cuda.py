@@ -130,33 +130,40 @@ def test_plain_graph_is_refused(lowered):
 @pytest.mark.gpu
 @gpu
 def test_cuda_graph_decode_matches_eager_cuda(lowered):
-    """fp16 on CUDA: the CUDA-graph decode gives the tokens the same engine gives without graphs,
-    and the decode step was captured and replayed (more than ORT's 2 warm-up runs)."""
+    """fp16 on CUDA: decode with CUDA graphs (captured by torch around ORT's Run, or by ORT itself)
+    gives the tokens the same engine gives without graphs, and the step was captured and replayed."""
     from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
 
     config = GenerationConfig(max_new_tokens=40)
     outs = {}
-    for graphs in (False, True):
-        engine = open_gqa_engine(lowered["fp16"][1], device="cuda", max_batch=2, cuda_graph=graphs).engine
-        outs[graphs] = [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, config)]
-        if graphs:
-            assert engine._steps[(2, 1)].runs > 3
-    assert outs[True] == outs[False]
+    for mode in ("none", "ort", "torch"):
+        engine = open_gqa_engine(lowered["fp16"][1], device="cuda", max_batch=2, cuda_graph=mode).engine
+        outs[mode] = [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, config)]
+        if mode != "none":
+            assert max(step.runs for step in engine._steps.values()) > 3
+        if mode == "torch":
+            assert any(step.graph is not None for step in engine._steps.values())
+    assert outs["torch"] == outs["none"] and outs["ort"] == outs["none"]
 
 
 @pytest.mark.gpu
 @gpu
 def test_cuda_matches_cpu_reference_and_speculation(lowered):
+    """The fp16 graph on CUDA (GQA's CUDA kernels are fp16/bf16 only) follows the same graph on
+    the CPU EP (fp16 rounding may flip a near-tie, rarely); speculation is lossless on CUDA."""
     from enginesmith.runtime import speculative as sp
     from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
 
-    src, low = lowered["fp32"]
+    low = lowered["fp16"][1]
     config = GenerationConfig(max_new_tokens=24)
     engine = open_gqa_engine(low, device="cuda", max_batch=2).engine
-    assert [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, config)] == _plain(src, PROMPTS, config)
+    cpu = open_gqa_engine(low, device="cpu", max_batch=2).engine
+    got = [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, config)]
+    ref = [ids.tolist() for ids, _ in fast_generate_ids(cpu, PROMPTS, config)]
+    assert sum(a == b for a, b in zip(got, ref)) >= 0.9 * len(ref)
     stats = sp.SpeculativeStats()
     out = list(sp.speculative_tokens(engine, sp.NgramDrafter(), PROMPTS[0], config, sp.SpeculativeConfig(k=4), stats))
-    assert out == [row[0] for row in _plain(src, [PROMPTS[0]], config)]
+    assert out == [row[0] for row in got]
 
 
 @pytest.mark.gpu

@@ -92,6 +92,8 @@ class _Step:
     run_options: ort.RunOptions
     runs: int = 0
     graph: object = None   # torch.cuda.CUDAGraph once captured ("torch" mode)
+    slots: object = None   # greedy decode: pinned host copies of the ids, and their events
+    events: list = field(default_factory=list)
 
 
 class GqaEngine:
@@ -430,8 +432,10 @@ def _greedy_steps(engine: GqaEngine, step: _Step, cache: SharedKVCache, budget: 
         step.seqlens.add_(1)
 
     cuda = engine.stream is not None
-    slots = torch.empty((2, step.ids.shape[0]), dtype=torch.int64, pin_memory=cuda)
-    events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+    if getattr(step, "slots", None) is None:  # pinned host slots, allocated once per step shape
+        step.slots = torch.empty((2, step.ids.shape[0]), dtype=torch.int64, pin_memory=cuda)
+        step.events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+    slots, events = step.slots, step.events
 
     def enqueue(i: int) -> None:
         engine._replay(step, tail)

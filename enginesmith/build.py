@@ -296,7 +296,9 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     elif quant:
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
     with engine_dir.write_atomically(out, overwrite=force) as tmp:
-        report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress)
+        # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
+        report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress,
+                              verify_exact=manifest.get("precision") == "fp32")
         shutil.copytree(src / "tokenizer", tmp / "tokenizer")
         lowered = {k: v for k, v in manifest.items() if k not in ("files", "created")}
         lowered.update(

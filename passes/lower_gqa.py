@@ -321,8 +321,13 @@ def lower_gqa(model: ir.Model, params: LowerGqaParams, ctx: PassContext | None =
 
     found, rejected = match.find_all(model, RULES)
     attention_nodes = sum(1 for n in model.graph if n.op_type == "Attention")
+    if not attention_nodes:
+        raise UserError("lower_gqa found no ONNX Attention node (an export with unfused attention?)",
+                        "run the fuse_attention pass first (or export at opset 23 with the dynamo exporter)")
     if not found:
-        return PassResult({"gqa": 0, "not_lowered": attention_nodes}, rejected)
+        raise UserError(f"lower_gqa matched none of the {attention_nodes} attention layers "
+                        f"({'; '.join(sorted({r.reason for r in rejected})) or 'no KV-cache attention pattern'})",
+                        "build this model without the GQA lowering (plain ORT engine)")
     namer = Namer(model.graph)
     feeds = _new_inputs(model.graph)
     memo: dict = {}

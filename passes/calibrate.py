@@ -113,14 +113,13 @@ def collect(onnx_path: str | os.PathLike, names: list[str], calib: CalibrationSe
     onnx_path = Path(onnx_path)
     key = f"{graph_hash(onnx_path)}-{calib.key}-n{calib.samples}-r{rows}"
     cache = cache_dir() / "calib" / f"{key}.npz"
-    if use_cache and cache.is_file():
-        stats = _load(cache)
-        if set(names) <= set(stats):
-            return {n: stats[n] for n in names}
-    stats = _run(onnx_path, sorted(set(names)), calib, rows, progress)
-    if use_cache:
-        _save(cache, stats)
-    return stats
+    cached = _load(cache) if use_cache and cache.is_file() else {}
+    missing = sorted(set(names) - set(cached))
+    if missing:
+        cached.update(_run(onnx_path, missing, calib, rows, progress))
+        if use_cache:
+            _save(cache, cached)
+    return {n: cached[n] for n in names}
 
 
 def _run(onnx_path: Path, names: list[str], calib: CalibrationSet, rows: int,

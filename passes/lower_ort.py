@@ -10,6 +10,12 @@ ORT would fuse the same pattern on its own, but with accuracy_level 4 (int8 acti
 error) unless a session option says otherwise; lowering here writes the accuracy level into the
 graph: 0 (default) and 1 compute in fp32, 2 fp16, 3 bf16, 4 int8. At 0/1 the pass is exact to
 fp32 rounding and is checked like one.
+
+An int8 embedding table shared with a tied lm_head (quantize_embedding) becomes an 8-bit
+MatMulNBits for the lm_head, still sharing one table with the gather (lower_ort_int8.py).
+Measured on a 2-core AVX2 CPU (no VNNI): MatMulNBits at accuracy level 0 is slower than an fp32
+MatMul for one token when the weights fit in cache, and the 8-bit kernel at level 0 is very slow;
+level 4 is the fast CPU path (benchmarks/quant/results).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import onnx_ir as ir
 from enginesmith.errors import UserError
 from enginesmith.passes import match
 from enginesmith.passes.edit import Namer, add_initializer
+from enginesmith.passes.lower_ort_int8 import lower_tied_int8
 from enginesmith.passes.match import Match, Rule
 from enginesmith.passes.registry import PassContext, PassResult, register
 
@@ -53,7 +60,7 @@ class BlockedInt4Linear(Rule):
         dq = next(n for n in m.nodes if n.op_type == "DequantizeLinear")
         q, scale = match.constant(m["q"]), match.constant(m["scale"])
         if q is None or q.dtype != ir.DataType.INT4 or len(q.shape) != 2:
-            return "weight is not a constant int4 matrix"
+            return "weight is not constant blocked int4 (other Q/DQ stays for ORT to run as is)"
         if scale is None:
             return "scale is not a constant"
         if len(dq.inputs) > 2 and dq.inputs[2] is not None:
@@ -101,11 +108,14 @@ def _lower(graph: ir.Graph, namer: Namer, m: Match, accuracy_level: int) -> None
 
 @register("lower_ort", LowerOrtParams, exact=lambda p: p.accuracy_level in (0, 1))
 def lower_ort(model: ir.Model, params: LowerOrtParams, ctx: PassContext) -> PassResult:
-    """Blocked int4 DQ + MatMul/Gemm -> com.microsoft.MatMulNBits with an explicit accuracy level."""
+    """Blocked int4 DQ + MatMul/Gemm (and a tied int8 lm_head) -> com.microsoft.MatMulNBits with an
+    explicit accuracy level."""
     found, rejected = match.find_all(model, RULES)
     namer = Namer(model.graph)
     for m in found:  # collect the matches first, then change the graph
         _lower(model.graph, namer, m, params.accuracy_level)
-    if found:
+    counts8, rejected8 = lower_tied_int8(model, params.accuracy_level)
+    if found or counts8["matmulnbits_8bit"]:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
-    return PassResult({"matmulnbits": len(found), "not_lowered": len(rejected)}, rejected)
+    counts = {"matmulnbits": len(found), **counts8, "not_lowered": len(rejected)}
+    return PassResult(counts, rejected + rejected8)

@@ -4,8 +4,10 @@
                                                             MatMul   (max |X| on calibration / 127)
     W_q int8 ─ DequantizeLinear(s_w[N], 0, axis=N) ─────────┘        s_w: per output channel
 
-One Q/DQ pair per activation tensor, shared by the linears that read it (q/k/v). ORT CPU fuses the
-pattern into int8 kernels; on TensorRT it is what makes the layers run in INT8.
+A dedicated Q/DQ pair per linear input, with its own (equal-valued) scale constants, also where
+linears read the same tensor (q/k/v): ORT fuses Q/DQ+MatMul into int8 kernels
+(MatMulIntegerToFloat) only for a pair with a single consumer, and would merge pairs that share
+their constants back into one; TensorRT takes either form.
 """
 
 from __future__ import annotations
@@ -52,16 +54,12 @@ def _weight_dq(graph: ir.Graph, namer: Namer, lin: Linear, q_kn: np.ndarray, sca
     lin.reader.replace_input_with(lin.w_index, out)
 
 
-def _act_qdq(graph: ir.Graph, namer: Namer, lin: Linear, tensor_max: float) -> ir.Value:
-    """Insert Q/DQ on the linear's input (before the linear); returns the dequantized value."""
+def _act_qdq(graph: ir.Graph, namer: Namer, lin: Linear, scale: ir.Value, zp: ir.Value) -> ir.Value:
+    """Q/DQ on the linear's input, inserted before it; returns the dequantized value."""
     x = lin.x
-    dtype = x.type.dtype
-    scale = add_initializer(graph, namer, f"{x.name}_scale",
-                            np.array(qmath.act_scale(tensor_max), dtype=ir.DataType(dtype).numpy()))
-    zp = add_initializer(graph, namer, f"{x.name}_zero", np.array(0, np.int8))
     q = add_node(graph, namer, "QuantizeLinear", [x, scale, zp], like=x, dtype=ir.DataType.INT8,
                  before=lin.node, base=f"{x.name}_q")
-    return add_node(graph, namer, "DequantizeLinear", [q, scale, zp], like=x, dtype=dtype,
+    return add_node(graph, namer, "DequantizeLinear", [q, scale, zp], like=x, dtype=x.type.dtype,
                     before=lin.node, base=f"{x.name}_dq")
 
 
@@ -71,15 +69,18 @@ def quantize_w8a8(model: ir.Model, params: W8A8Params, ctx: PassContext) -> Pass
     chosen, skipped = chosen_or_fail(model, params.include_lm_head, "quantize_w8a8")
     stats = ctx.stats(sorted({lin.x.name for lin in chosen}))
     graph, namer = model.graph, Namer(model.graph)
-    dequantized: dict[int, ir.Value] = {}
+    seen: set[int] = set()
     details = []
-    for lin in chosen:  # graph order: the first reader of an activation gets its Q/DQ pair
+    for lin in chosen:
         x, tensor_max = lin.x, stats[lin.x.name].tensor_max
-        if id(x) not in dequantized:
-            dequantized[id(x)] = _act_qdq(graph, namer, lin, tensor_max)
+        if id(x) not in seen:
+            seen.add(id(x))
             details.append({"activation": x.name, "max_abs": round(tensor_max, 4)})
-        lin.node.replace_input_with(0, dequantized[id(x)])
+        scale = add_initializer(graph, namer, f"{x.name}_scale",
+                                np.array(qmath.act_scale(tensor_max), dtype=x.type.dtype.numpy()))
+        zp = add_initializer(graph, namer, f"{x.name}_zero", np.array(0, np.int8))
+        lin.node.replace_input_with(0, _act_qdq(graph, namer, lin, scale, zp))
         q, scale = qmath.int8_per_channel(lin.weight_kn())
         _weight_dq(graph, namer, lin, q, scale)
-    counts = {"linears": len(chosen), "activation_qdq": len(dequantized), "skipped": len(skipped)}
+    counts = {"linears": len(chosen), "activations": len(seen), "skipped": len(skipped)}
     return PassResult(counts, skipped, details)

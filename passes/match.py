@@ -98,6 +98,12 @@ def find_all(model: ir.Model, rules: Iterable[Rule]) -> tuple[list[Match], list[
 
 # ---- small predicates shared by the rules' checks -------------------------------------------------
 
+def gqa_repeat(op, kv):
+    """Pattern of the exporter's GQA repeat of K/V along the head axis: Reshape(Expand(Unsqueeze(kv)))."""
+    return op.Reshape(op.Expand(op.Unsqueeze(kv, _pattern.ANY_VALUE), _pattern.ANY_VALUE), _pattern.ANY_VALUE,
+                      _allow_other_attributes=True)
+
+
 def constant(value: ir.Value | None) -> ir.TensorProtocol | None:
     """The tensor of an initializer / Constant-folded value, or None if `value` is computed."""
     if value is None:

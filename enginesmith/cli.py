@@ -218,44 +218,45 @@ def cmd_chat(args) -> int:
     if loaded.context_limit is None:  # a ring cache: one session, constant memory, no history kept
         return _chat_stream(loaded, config, args.system)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    print("enginesmith chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input(">>> ").strip()
-        except EOFError:
-            print()
-            return 0
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            return 0
-        if line == "/reset":
-            history = history[:1] if args.system else []
-            continue
+
+    def reply(line: str):
         history.append({"role": "user", "content": line})
         ids = encode_chat(loaded.tokenizer, history)
-        if len(ids) >= loaded.max_positions:  # drop the oldest turns rather than fail
-            while len(history) > 1 and len(ids) >= loaded.max_positions:
-                history.pop(1 if args.system else 0)
-                ids = encode_chat(loaded.tokenizer, history)
-        reply = ""
+        while len(history) > 1 and len(ids) >= loaded.max_positions:  # drop the oldest turns, not fail
+            history.pop(1 if args.system else 0)
+            ids = encode_chat(loaded.tokenizer, history)
+        text = ""
         try:
             for deltas in stream(loaded.engine, loaded.tokenizer, [ids], config, loaded.pad_id):
-                reply += deltas[0]
-                print(deltas[0], end="", flush=True)
-        except KeyboardInterrupt:  # stop this reply, keep the session
-            print(" [interrupted]", end="")
-        print()
-        history.append({"role": "assistant", "content": reply})
+                text += deltas[0]
+                yield deltas[0]
+        finally:  # also when Ctrl-C stops the reply: keep what was said
+            history.append({"role": "assistant", "content": text})
+
+    def reset():
+        del history[1 if args.system else 0:]
+
+    return _repl("enginesmith chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
+                 reply, reset)
 
 
 def _chat_stream(loaded, config, system: str | None) -> int:
     from enginesmith.runtime.ring_chat import ChatSession
 
-    session = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
+    session = [ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)]
     kv = loaded.kv_layout
-    print(f"enginesmith chat (ring KV cache: {kv['sinks']} sinks + {kv['window']} recent tokens, constant "
-          "memory): type a message; /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+
+    def reset():
+        session[0] = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
+
+    return _repl(f"enginesmith chat (ring KV cache: {kv['sinks']} sinks + {kv['window']} recent tokens, "
+                 "constant memory): type a message; /reset starts over, /exit or Ctrl-D quits.",
+                 lambda line: session[0].turn(line), reset)
+
+
+def _repl(banner: str, reply, reset) -> int:
+    """The chat loop: read a line, stream reply(line)'s text deltas; /reset, /exit, Ctrl-D, Ctrl-C."""
+    print(banner, file=sys.stderr)
     while True:
         try:
             line = input(">>> ").strip()
@@ -267,12 +268,12 @@ def _chat_stream(loaded, config, system: str | None) -> int:
         if line in ("/exit", "/quit"):
             return 0
         if line == "/reset":
-            session = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
+            reset()
             continue
         try:
-            for delta in session.turn(line):
+            for delta in reply(line):
                 print(delta, end="", flush=True)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # stop this reply, keep the session
             print(" [interrupted]", end="")
         print()
 

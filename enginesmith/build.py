@@ -42,7 +42,7 @@ class BuildConfig:
     quant: str | None = None     # w8a8-naive | w8a8-sq | w4a16-rtn | w4a16-awq
     passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
     block_size: int = 128        # W4A16 block along K
-    alpha: float = 0.5           # SmoothQuant / AWQ migration strength
+    alpha: float | None = None   # SmoothQuant strength; None = searched per layer
     calib_text: str | None = None  # calibration text file (default: the Austen corpus)
     calib_samples: int = 32
     # TensorRT (backend "trt"): a deploy.trt_build.TrtBuildConfig, a Jetson preset, a lint target

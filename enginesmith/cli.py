@@ -387,7 +387,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--passes", default=None, metavar="PIPELINE",
                    help="explicit passes, e.g. smoothquant:alpha=0.6,quantize_w8a8 (after --quant's)")
     g.add_argument("--block-size", type=int, default=128, help="W4A16 block size along K (32/64/128)")
-    g.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant/AWQ migration strength in [0, 1]")
+    g.add_argument("--alpha", type=float, default=None,
+                   help="SmoothQuant migration strength in [0, 1] for the whole model (default: searched per layer)")
     g.add_argument("--calib-text", metavar="FILE", default=None,
                    help="calibration text (default: Pride and Prejudice)")
     g.add_argument("--calib-samples", type=int, default=32, help="calibration sequences of 512 tokens")

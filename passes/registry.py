@@ -175,22 +175,26 @@ def parse_pipeline(text: str) -> list[Step]:
 
 PRESETS: dict[str, str] = {
     "w8a8-naive": "quantize_w8a8",
-    "w8a8-sq": "smoothquant:alpha={alpha},quantize_w8a8",
+    "w8a8-sq": "smoothquant:{smoothing},quantize_w8a8",
     "w4a16-rtn": "quantize_w4a16:block_size={block_size}",
-    "w4a16-awq": "awq:block_size={block_size},quantize_w4a16:block_size={block_size}",
+    "w4a16-awq": "awq:block_size={block_size},awq_clip:block_size={block_size},"
+                 "quantize_w4a16:block_size={block_size}",
 }
 LOWERING: dict[str, str] = {"ort": "lower_ort:accuracy_level={accuracy_level}", "trt": ""}
 
 
-def preset_steps(preset: str, block_size: int = 128, alpha: float = 0.5) -> list[Step]:
-    """The steps of a preset (`w8a8-naive`, `w8a8-sq`, `w4a16-rtn`, `w4a16-awq`)."""
+def preset_steps(preset: str, block_size: int = 128, alpha: float | None = None) -> list[Step]:
+    """The steps of a preset (`w8a8-naive`, `w8a8-sq`, `w4a16-rtn`, `w4a16-awq`). SmoothQuant's
+    alpha is searched per site unless `alpha` fixes one for the whole model (on SmolLM2 the search
+    closes 98 % of naive W8A8's perplexity gap, alpha = 0.5 closes 78 %)."""
     if preset not in PRESETS:
         raise UserError(f"unknown quantization preset {preset!r}", f"use one of: {', '.join(PRESETS)}")
-    return parse_pipeline(PRESETS[preset].format(block_size=block_size, alpha=alpha))
+    smoothing = "search=true" if alpha is None else f"alpha={alpha}"
+    return parse_pipeline(PRESETS[preset].format(block_size=block_size, smoothing=smoothing))
 
 
 def build_pipeline(quant: str | None = None, passes_text: str | None = None, block_size: int = 128,
-                   alpha: float = 0.5, quantize_embeddings: bool = False, backend: str = "ort",
+                   alpha: float | None = None, quantize_embeddings: bool = False, backend: str = "ort",
                    accuracy_level: int = 0) -> list[Step]:
     """What `enginesmith build` runs: a preset and/or explicit passes, then the backend lowering.
 

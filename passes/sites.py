@@ -157,6 +157,8 @@ SWIGLU_RULES = [SwiGLURule(f, b) for f in (False, True) for b in (False, True)]
 def _readers(value: ir.Value, lin_by_node: dict[int, Linear], channels: int | None) -> list[Linear] | str:
     """The linears reading `value` as their activation (directly or through a Reshape that keeps
     the last axis), or the reason some other node reads it."""
+    if value.is_graph_output():
+        return f"{value.name} is a graph output"
     out = []
     for use in value.uses():
         node = use.node

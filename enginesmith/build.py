@@ -23,7 +23,7 @@ from enginesmith.errors import UserError
 from enginesmith.paths import cache_dir
 
 BACKENDS = ("ort", "trt")
-_LATER_FIELDS = ("page_size", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
+_LATER_FIELDS = ("page_size", "accuracy_level", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
                  "trt_version")
 KV_LAYOUTS = ("dense", "ring", "paged")
 
@@ -45,6 +45,7 @@ class BuildConfig:
     alpha: float | None = None   # SmoothQuant strength; None = searched per layer
     calib_text: str | None = None  # calibration text file (default: the Austen corpus)
     calib_samples: int = 32
+    accuracy_level: int = 0      # ORT MatMulNBits: 0 = fp activations, 4 = int8 activations (faster on CPU)
     # TensorRT (backend "trt"): a deploy.trt_build.TrtBuildConfig, a Jetson preset, a lint target
     trt: object | None = None
     preset: str | None = None
@@ -186,7 +187,7 @@ def pipeline(config: BuildConfig) -> list:
     from enginesmith.passes import build_pipeline, make_step
 
     steps = build_pipeline(quant=config.quant, passes_text=config.passes, block_size=config.block_size,
-                           alpha=config.alpha, backend=config.backend)
+                           alpha=config.alpha, backend=config.backend, accuracy_level=config.accuracy_level)
     if config.kv_layout == "ring":
         ring = make_step("kv_ring", {"sinks": str(config.kv_sinks), "window": str(config.kv_window)})
         at = next((i for i, s in enumerate(steps) if s.name.startswith("lower_")), len(steps))

@@ -176,6 +176,7 @@ def cmd_build(args) -> int:
                              kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window,
                              page_size=args.page_size, quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
                              calib_text=args.calib_text, calib_samples=args.calib_samples,
+                             accuracy_level=args.accuracy_level,
                              trt=trt, preset=args.preset, trt_version=args.trt_version),
                  Path(args.out), force=args.force)
     print(path)
@@ -392,6 +393,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--calib-text", metavar="FILE", default=None,
                    help="calibration text (default: Pride and Prejudice)")
     g.add_argument("--calib-samples", type=int, default=32, help="calibration sequences of 512 tokens")
+    g.add_argument("--accuracy-level", type=int, default=0, choices=[0, 1, 2, 3, 4],
+                   help="ORT MatMulNBits compute: 0 = fp activations (default), 4 = int8 activations "
+                        "(SmolLM2 W4A16 on CPU: 1.7x faster decode, perplexity 28.44 -> 28.48)")
     from enginesmith.deploy import trt_build
 
     trt_build.add_arguments(p)

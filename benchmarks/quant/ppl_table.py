@@ -185,7 +185,11 @@ def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
         int8 = f"{row['ppl_ort_int8_kernels']:.3f}" if "ppl_ort_int8_kernels" in row else ""
         lines.append(f"| {name} | {row['ppl']:.3f} | {delta} | {int8} | {row['bytes'] / 1e6:.1f} | "
                      f"{100 * row['fraction_of_fp16']:.1f} % |")
-    lines += ["", f"fp16 engine: {fp16_size / 1e6:.1f} MB.", ""]
+    lines += ["", f"fp16 engine: {fp16_size / 1e6:.1f} MB. Names: w8a8-sq = SmoothQuant with alpha "
+              "searched per site (the preset), -a0.5 = one alpha for the model; w4a16-awq = AWQ scale "
+              "search + weight clipping (the preset), -noclip = scale search only; -gN = block size; "
+              "+emb8 = int8 embedding table shared with the tied lm_head; -L4 = MatMulNBits "
+              "accuracy_level 4 (int8 activations; default 0 = fp32). Pipelines: ppl.json.", ""]
     for label, gap in gaps.items():
         if gap is not None:
             lines.append(f"- gap to fp32 closed, {label}: {100 * gap:.1f} %")

@@ -211,10 +211,11 @@ def _run_passes(config: BuildConfig, steps: list, src: Path, dst: Path, tokenize
 
 def _calibration_note(config: BuildConfig, steps: list) -> dict | None:
     from enginesmith.passes import passes
+    from enginesmith.passes.calibrate import DEFAULT_NOVEL
 
     if not steps or not any(passes()[s.name].calibrated for s in steps):
         return None
-    return {"text": config.calib_text or "austen:prideprejudice", "samples": config.calib_samples}
+    return {"text": config.calib_text or f"austen:{DEFAULT_NOVEL}", "samples": config.calib_samples}
 
 
 def _export_settings(config: BuildConfig) -> tuple[str, int]:

@@ -104,7 +104,7 @@ class GqaEngine:
 
     def __init__(self, onnx_path: str | Path, device: str = "auto", max_batch: int = 1,
                  capacity: int | None = None, cuda_graph: bool | str = True, threads: int | None = None,
-                 device_id: int = 0, optimization: str = "all") -> None:
+                 device_id: int = 0, optimization: str = "all", provider_options: dict | None = None) -> None:
         torch = _torch()
         available = ort.get_available_providers()
         if device == "auto":
@@ -133,7 +133,7 @@ class GqaEngine:
             self.stream = torch.cuda.Stream(self.torch_device)  # capture needs a non-default stream
             providers = [("CUDAExecutionProvider", {
                 "device_id": device_id, "enable_cuda_graph": "1" if self.graph_mode == "ort" else "0",
-                "user_compute_stream": str(self.stream.cuda_stream)})]
+                "user_compute_stream": str(self.stream.cuda_stream)} | dict(provider_options or {}))]
         self.shared_stream = device == "cuda"  # ORT and torch enqueue on one stream: no syncs between
         try:
             self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)

@@ -118,3 +118,20 @@ def test_rotary_table_matches_the_graph(tiny_engine):
     cos = position_table(model, found[0]["cos_q"], 16)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16))  # tiny llama: head size 16, theta 1e4
     np.testing.assert_allclose(cos, np.cos(np.arange(16)[:, None] * inv_freq[None]), atol=1e-5)
+
+
+def test_fused_gate_up_gives_the_same_logits(tiny_engine, tmp_path):
+    """fuse_matmul after the lowering: each MLP's gate and up projections become one MatMul + Split
+    (q/k/v are already one MatMul); the decode paths give the unfused graph's logits."""
+    out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
+                           "lower_gqa:capacity=64,skip_rmsnorm,fuse_matmul")
+    assert counts["fuse_matmul"] == {"fused_groups": 2, "matmuls_fused": 4}
+    ops = _ops(out)
+    assert ops["Split"] == 2 and ops["MatMul"] == 2 * 4 + 1  # qkv, o, gate|up, down per layer + lm_head
+    _compare(tiny_engine("llama") / "model.onnx", out, atol=1e-4)
+
+
+def test_fused_gate_up_quantizes_as_one_matmulnbits(tiny_engine, tmp_path):
+    out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
+                           "lower_gqa:capacity=64,skip_rmsnorm,fuse_matmul,quantize_w4a16:block_size=32,lower_ort")
+    assert counts["lower_ort"]["matmulnbits"] == 8  # qkv, o, gate|up, down per layer

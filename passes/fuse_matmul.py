@@ -87,10 +87,10 @@ def _fuse(graph: ir.Graph, namer: Namer, nodes: list[ir.Node]) -> None:
     graph.insert_before(nodes[0], split)
     for new, old in zip(split.outputs, outs):
         new.name, new.type, new.shape = namer(f"{old.name}_part"), old.type, old.shape
-        ir.convenience.replace_all_uses_with(old, new)
         for i, out in enumerate(graph.outputs):
             if out is old:
                 graph.outputs[i] = new
+        ir.convenience.replace_all_uses_with(old, new)
     for n in nodes:
         graph.remove(n, safe=True)
 

@@ -176,3 +176,19 @@ def test_sampling_on_cuda_is_seeded(lowered):
     a = [ids.tolist() for ids, _ in fast_generate_ids(engine, [PROMPTS[0]], config)]
     b = [ids.tolist() for ids, _ in fast_generate_ids(engine, [PROMPTS[0]], config)]
     assert a == b
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 97, 1000])
+def test_two_stage_argmax_matches_argmax_with_ties(vocab):
+    """device_argmax (max per chunk of the vocabulary, then argmax of the chunk maxima) returns
+    argmax's index, the first one on ties, for fp16 rows with repeated maxima."""
+    from enginesmith.runtime.ort_cuda import device_argmax
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen).half()
+    logits[1, [5, vocab // 2, vocab - 1]] = 9.0          # ties across chunks
+    logits[2, [vocab - 2, vocab - 1]] = 9.0              # ties in the last chunk
+    logits[3] = 0.0                                      # all equal: index 0
+    logits[4, vocab - 1] = 9.0
+    assert torch.equal(device_argmax(logits), logits.argmax(-1))
+    assert torch.equal(device_argmax(logits[:, None, :]), logits[:, None, :].argmax(-1))

@@ -135,3 +135,15 @@ def test_fused_gate_up_quantizes_as_one_matmulnbits(tiny_engine, tmp_path):
     out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
                            "lower_gqa:capacity=64,skip_rmsnorm,fuse_matmul,quantize_w4a16:block_size=32,lower_ort")
     assert counts["lower_ort"]["matmulnbits"] == 8  # qkv, o, gate|up, down per layer
+
+
+def test_transposed_weights_after_lowering_give_the_same_logits(tiny_engine, tmp_path):
+    """matmul_transb on the lowered graph (FusedMatMul on [N, K] weights, the tied lm_head on the
+    embedding table) keeps the decode paths' logits."""
+    import enginesmith.passes.matmul_transb  # noqa: F401
+
+    out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
+                           "lower_gqa:capacity=64,skip_rmsnorm,matmul_transb")
+    assert counts["matmul_transb"]["fused_matmul_transb"] == 2 * 5 + 1
+    assert _ops(out)["MatMul"] == 0
+    _compare(tiny_engine("llama") / "model.onnx", out, atol=1e-4)

@@ -161,6 +161,31 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
     return rows
 
 
+def sweep_splits(contexts, split_counts, copy_bw, shape=(32, 8, 128), block_size=16, dtype=torch.float16):
+    """Batch-1 decode time per forced split count (0 = the launcher's own choice): where the
+    fixed cost (launch, pipeline fill, the reduce) meets the streaming time."""
+    H, Hkv, D = shape
+    rows = []
+    for ctx_len in contexts:
+        pages = (ctx_len + block_size - 1) // block_size
+        k_cache = torch.randn(pages, block_size, Hkv, D, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
+        ctx = torch.full((1,), ctx_len, dtype=torch.int32, device="cuda")
+        q = torch.randn(1, 1, H, D, device="cuda", dtype=dtype)
+        kv_bytes = 2 * ctx_len * Hkv * D * 2
+        for splits in split_counts:
+            op = kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits=splits)
+            out = torch.empty_like(q)
+            ms = cuda_time_ms(lambda: op(q, k_cache, v_cache, tables, ctx, out))
+            rows.append({"context": ctx_len, "requested_splits": splits, "splits": op.splits, "ms": round(ms, 5),
+                         "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _make_24(n, k):
     w = torch.randn(n, k, device="cuda", dtype=torch.float16)
     return reference.prune_24_magnitude(w)
@@ -258,6 +283,7 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="attention: the Llama-shaped decode grid only")
     ap.add_argument("--skip-sparse", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--sweep-splits", action="store_true", help="attention: batch-1 time per forced split count")
     ap.add_argument("--tune", action="store_true",
                     help="also time cuSPARSELt's algorithm search (it failed and broke the CUDA context on an H200)")
     ap.add_argument("--probe", choices=["torch", "tune"], help=argparse.SUPPRESS)
@@ -281,6 +307,8 @@ def main() -> None:
     result["read_bandwidth_GBps"] = round(read_bandwidth() / 1e9, 1)
     print(f"device {props.name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
 
+    if args.sweep_splits:
+        result["split_sweep"] = sweep_splits([1024, 8192, 16384, 32768], [0, 8, 16, 24, 33, 48, 66, 99, 132], copy_bw)
     if not args.skip_attention:
         contexts = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
         batches = [1, 16] if args.quick else [1, 4, 16, 64]

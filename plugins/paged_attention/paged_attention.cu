@@ -117,6 +117,20 @@ Status resident_slots(DType dtype, int head_size, int block_size, int* slots) {
     return Status::Ok();
 }
 
+// Programmatic dependent launch needs sm_90 (griddepcontrol); checked once per process.
+static bool dependent_launch_supported() {
+    static int const major = [] {
+        int dev = 0, value = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        return value;
+    }();
+    return major >= 9;
+}
+
 int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
     int block_size, int slots) {
     if (batch <= 0 || num_kv_heads <= 0) return 1;
@@ -180,9 +194,20 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     e->kernel<<<grid, detail::kThreads, e->smem, stream>>>(p, row_blocks);
     ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     if (splits > 1) {
+        // On sm_90+ the reduce is a programmatic dependent launch: its blocks are scheduled while the
+        // split kernel drains and wait (griddepcontrol.wait) for its results, hiding one launch gap.
         const int rows = p.batch * p.query_len * p.num_heads;
-        e->reduce<<<rows, 128, 0, stream>>>(p, rows, splits);
-        ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+        cudaLaunchAttribute pdl[1];
+        pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        pdl[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(rows);
+        config.blockDim = dim3(128);
+        config.dynamicSmemBytes = 0;
+        config.stream = stream;
+        config.attrs = pdl;
+        config.numAttrs = dependent_launch_supported() ? 1 : 0;
+        ES_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, e->reduce, p, rows, splits));
     }
     return Status::Ok();
 }

@@ -10,6 +10,7 @@
 //          O[16 x D] += P·V            (P reused from S registers, V via ldmatrix.trans)
 //   end: merge the 4 warps' (m, l, O) in smem ─▶ out (1 split) | partial out + lse (n splits)
 //   reduce kernel: out = Σ_i 2^(lse_i - M) · o_i / Σ_i 2^(lse_i - M)
+//   (sm_90+: launched as a programmatic dependent of the split kernel, waiting on griddepcontrol)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,6 +66,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     __shared__ float s_row_max[kRowsPerCta];
     __shared__ float s_row_sum[kRowsPerCta];
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Let the reduce kernel (a programmatic dependent launch) be scheduled now; it waits for us.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int split = blockIdx.x;
     const int num_splits = gridDim.x;
     const int kvh = blockIdx.y / row_blocks;
@@ -325,6 +330,9 @@ __global__ void __launch_bounds__(128) paged_attention_reduce_kernel(Params p, i
     __shared__ int s_nan[kReduceWarps];
     __shared__ float s_sum[kReduceWarps];
     __shared__ __align__(16) float s_acc[kReduceWarps][D];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
+#endif
     const int row = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= num_rows) return;

@@ -26,8 +26,8 @@ from enginesmith.passes.match import Rejection
 
 # Modules of this package that only hold machinery, not passes (every other module is imported by
 # `passes()`, so a new pass module registers itself by being there).
-MACHINERY = {"calibrate", "edit", "fold", "linears", "match", "pipeline", "qmath", "registry", "sites",
-             "verify"}
+MACHINERY = {"calibrate", "edit", "fold", "linears", "match", "paged_verify", "pipeline", "qmath", "registry",
+             "ring_verify", "sites", "verify"}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The pass manager's output check for a ring-layout graph: compare it with the dense graph it came
-from. Before any eviction the two must agree, so the check feeds both the same random tokens (a
-prefill, then one decode step, batch 2) with fewer tokens than the ring holds; the ring graph is
+from. Before any eviction the two must agree, so `verify.compare` feeds both the same random tokens
+(a prefill, then single-token decode steps, batch 2), fewer than the ring holds; the ring graph is
 driven by the runtime's own RingKVCache policy (its feeds), with plain numpy past/present arrays.
 """
 
@@ -14,7 +14,8 @@ def is_ring(session) -> bool:
 
 
 def ring_steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarray]:
-    """Logits of a prefill of `ids` [B, S] and one decode step of `next_ids` [B, 1] on a ring graph."""
+    """Logits of a prefill of `ids` [B, S], then one decode step per column of `next_ids` [B, T],
+    on a ring graph."""
     from enginesmith.runtime.kv_ring import RingKVCache
 
     inputs = {i.name: i for i in session.get_inputs()}
@@ -23,10 +24,10 @@ def ring_steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarra
     past = {n: np.zeros([ids.shape[0]] + [int(d) for d in inputs[n].shape[1:]],
                         np.float16 if "float16" in inputs[n].type else np.float32)
             for n in inputs if n.startswith(("past_key_values.", "past_sinks."))}
-    if ids.shape[1] + 1 > cache.capacity:
+    if ids.shape[1] + next_ids.shape[1] > cache.capacity:
         raise ValueError("the check must not evict: use fewer tokens than the ring holds")
     logits = []
-    for step_ids in (ids, next_ids):
+    for step_ids in (ids, *np.split(next_ids, next_ids.shape[1], axis=1)):
         feeds = cache.feeds(np.ones_like(step_ids), step_ids)
         out = dict(zip(outputs, session.run(outputs, {"input_ids": step_ids, **feeds, **past})))
         cache.advance([])

@@ -28,8 +28,8 @@ import onnx_ir as ir
 import pytest
 
 from enginesmith.errors import UserError
+from enginesmith.passes import PassCheckError, Step, run_pipeline
 from enginesmith.passes.kv_paged import KVPagedParams, kv_paged, lower_paged_graph
-from enginesmith.passes.registry import PassContext
 from enginesmith.runtime.kv_paged import PagedKVCache, PagedKVPool, PagedStep, build_step, check_step
 from enginesmith.runtime.ort_engine import OrtEngine
 
@@ -39,11 +39,9 @@ VOCAB = 49152
 
 
 def make_paged(dense: Path, dst: Path, page_size: int, lower: str = "cpu") -> dict:
-    model = ir.load(dense)
-    result = kv_paged(model, KVPagedParams(page_size, lower), PassContext(dense))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    ir.save(model, dst, external_data=dst.name + ".data")
-    return {"counts": result.counts, "details": result.details}
+    """kv_paged through the pass manager (which compares a cpu lowering with `dense`): its report."""
+    (report,) = run_pipeline(dense, dst, [Step("kv_paged", KVPagedParams(page_size, lower))], progress=False)
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +122,8 @@ def left_padded_run(engine, cache, prompts, steps: np.ndarray) -> list[np.ndarra
 @pytest.mark.parametrize("family,page_size", [(f, 4) for f in FAMILIES] + [("llama", 16)])
 def test_paged_graph_matches_dense_logits(family, page_size, paged):
     dense_path, paged_path, report = paged(family, page_size)
-    assert report["counts"] == {"paged_layers": 2, "lowered": 2}
-    check = report["details"][0]
-    assert check["max_diff"] <= check["tolerance"]
+    assert report["counts"] == {"paged_layers": 2, "lowered": 2} and report["exact"]
+    assert report["max_diff"] <= report["tolerance"]              # the pass manager compared it
     ops = {n.op_type for n in ir.load(paged_path).graph}
     assert {"ScatterND", "Gather", "Attention", "Compress"} <= ops and "Concat" in ops
     inputs = {v.name for v in ir.load(paged_path).graph.inputs}
@@ -284,8 +281,31 @@ def test_trt_lowering_writes_plugin_nodes_the_library_accepts(h64, tmp_path):
 
 def test_fp16_cpu_lowering_matches_dense(h64, tmp_path):
     out = tmp_path / "cpu" / "model.onnx"
-    check = make_paged(h64, out, 16)["details"][0]
-    assert check["max_diff"] <= check["tolerance"]
+    report = make_paged(h64, out, 16)
+    assert report["exact"] and report["max_diff"] <= report["tolerance"]
+
+
+def test_broken_paged_rewrite_fails_the_pipeline_loudly(tiny_engine, tmp_path, monkeypatch):
+    """kv_paged (lower=cpu) is exact: a paged graph that computes something else than the dense one
+    (here one layer's attention scale doubled) stops the pipeline and leaves no output behind.
+    With verify=false the same graph goes through: the manager's comparison is what caught it."""
+    import enginesmith.passes.kv_paged as module
+
+    rewrite = module.rewrite_paged
+
+    def broken(model, page_size):
+        counts = rewrite(model, page_size)
+        node = next(n for n in model.graph if n.op_type == "PagedAttention")
+        node.attributes["scale"] = ir.AttrFloat32("scale", 2 * node.attributes["scale"].value)
+        return counts
+
+    monkeypatch.setattr(module, "rewrite_paged", broken)
+    dense, out = tiny_engine("llama") / "model.onnx", tmp_path / "out"
+    with pytest.raises(PassCheckError, match=r"exact pass kv_paged:page_size=4 changed the logits by"):
+        make_paged(dense, out / "model.onnx", 4)
+    assert list(out.iterdir()) == []
+    (report,) = run_pipeline(dense, out / "model.onnx", "kv_paged:page_size=4,verify=false", progress=False)
+    assert not report["exact"] and report["max_diff"] is None
 
 
 def test_cuda_lowering_follows_the_ort_contrib_schema(h64, tmp_path):

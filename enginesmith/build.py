@@ -201,19 +201,20 @@ def pipeline(config: BuildConfig) -> list:
 
 
 def _run_passes(config: BuildConfig, steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
-    from enginesmith.passes import calibration_set, passes, run_pipeline
+    from enginesmith.passes import calibration_set, run_pipeline
+    from enginesmith.passes.registry import calibrated_steps
 
     calibration = None
-    if any(passes()[s.name].calibrated for s in steps):
+    if calibrated_steps(steps):
         calibration = calibration_set(tokenizer, config.calib_text, samples=config.calib_samples)
     return run_pipeline(src, dst, steps, calibration=calibration, progress=progress)
 
 
 def _calibration_note(config: BuildConfig, steps: list) -> dict | None:
-    from enginesmith.passes import passes
     from enginesmith.passes.calibrate import DEFAULT_NOVEL
+    from enginesmith.passes.registry import calibrated_steps
 
-    if not steps or not any(passes()[s.name].calibrated for s in steps):
+    if not steps or not calibrated_steps(steps):
         return None
     return {"text": config.calib_text or f"austen:{DEFAULT_NOVEL}", "samples": config.calib_samples}
 

@@ -24,7 +24,7 @@ import onnx_ir as ir
 from enginesmith.errors import UserError
 from enginesmith.passes import verify
 from enginesmith.passes.edit import drop_unused_initializers
-from enginesmith.passes.registry import PassContext, Step, parse_pipeline, passes
+from enginesmith.passes.registry import PassContext, Step, calibrated_steps, parse_pipeline, passes
 
 
 def _data(path: Path) -> Path:
@@ -63,7 +63,7 @@ def run_pipeline(src: str | os.PathLike, dst: str | os.PathLike, steps: list[Ste
         raise UserError(f"graph {str(src)!r} does not exist", "export the model first")
     if src.resolve() == dst.resolve():
         raise UserError("the pipeline's output would overwrite its input", "write to another path")
-    needing = [s.name for s in steps if table[s.name].calibrated]
+    needing = [s.name for s in calibrated_steps(steps)]
     if needing and calibration is None:
         raise UserError(f"passes {', '.join(needing)} need calibration data",
                         "pass a calibration set (calibrate.calibration_set)")

@@ -1,9 +1,10 @@
 """Named passes with typed parameters, pipeline specs and presets.
 
 A pass is a function `fn(model: ir.Model, params, ctx: PassContext) -> PassResult` registered with
-a name, a frozen dataclass of parameters (validated in `__post_init__`), and whether it is exact
-(the pass manager then compares the graph's outputs before and after) or lossy (measured by
-evaluation instead). Pipelines are written as text:
+a name, a frozen dataclass of parameters (validated in `__post_init__`), whether it is exact (the
+pass manager then compares the graph's outputs before and after) or lossy (measured by evaluation
+instead), and whether it needs calibration data; either may depend on the parameters. Pipelines are
+written as text:
 
     smoothquant:alpha=0.5,quantize_w8a8
     awq:block_size=64,grid=10,quantize_w4a16:block_size=64,lower_ort:accuracy_level=0
@@ -64,18 +65,22 @@ class PassInfo:
     name: str
     params: type
     fn: Callable[..., PassResult]
-    exact: bool | Callable[[Any], bool]   # or a function of the params
-    calibrated: bool
+    exact: bool | Callable[[Any], bool]        # or a function of the params
+    calibrated: bool | Callable[[Any], bool]   # or a function of the params
     doc: str
 
     def is_exact(self, params) -> bool:
         return bool(self.exact(params) if callable(self.exact) else self.exact)
 
+    def needs_calibration(self, params) -> bool:
+        return bool(self.calibrated(params) if callable(self.calibrated) else self.calibrated)
+
 
 REGISTRY: dict[str, PassInfo] = {}
 
 
-def register(name: str, params: type, exact: bool | Callable[[Any], bool], calibrated: bool = False):
+def register(name: str, params: type, exact: bool | Callable[[Any], bool],
+             calibrated: bool | Callable[[Any], bool] = False):
     """Decorator: make `fn` the pass `name`."""
     def wrap(fn):
         REGISTRY[name] = PassInfo(name, params, fn, exact, calibrated, (fn.__doc__ or "").strip())
@@ -110,6 +115,12 @@ class Step:
 
     def to_json(self) -> dict:
         return {"name": self.name, "params": dataclasses.asdict(self.params)}
+
+
+def calibrated_steps(steps: list[Step]) -> list[Step]:
+    """The steps that need calibration data, given their parameters."""
+    table = passes()
+    return [s for s in steps if table[s.name].needs_calibration(s.params)]
 
 
 def _format(value) -> str:

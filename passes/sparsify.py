@@ -224,10 +224,11 @@ def lower_sparse_graph(model: ir.Model, target: str) -> int:
 
 # ----------------------------------------------------------------------------- the passes
 
-@register("sparsify", SparsifyParams, exact=False, calibrated=True)
+@register("sparsify", SparsifyParams, exact=False, calibrated=lambda p: p.method == "wanda")
 def sparsify(model: ir.Model, params: SparsifyParams | None = None, ctx: PassContext | None = None) -> PassResult:
-    """Prune linears to 2:4 (magnitude or Wanda |W|·‖X‖ from calibration) where the sparse GEMM pays,
-    marked enginesmith.SparseGemm24; lowered dense for ONNX Runtime or to the TensorRT plugin. Lossy."""
+    """Prune linears to 2:4 (magnitude, or Wanda |W|·‖X‖ from calibration) where the sparse GEMM pays,
+    marked enginesmith.SparseGemm24; lowered dense for ONNX Runtime or to the TensorRT plugin. Lossy.
+    Only method=wanda needs calibration data."""
     params = params or SparsifyParams()
     linears, rejected = find_linears(model)
     candidates, skipped = select(linears, params.include_lm_head)

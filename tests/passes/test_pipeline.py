@@ -82,6 +82,17 @@ def test_calibrated_pass_without_calibration(tiny_onnx, tmp_path):
         run_pipeline(tmp_path / "missing.onnx", tmp_path / "m.onnx", "quantize_w4a16", progress=False)
 
 
+def test_calibration_need_depends_on_the_parameters(tiny_onnx, tmp_path):
+    """sparsify reads activation statistics only for Wanda: magnitude pruning runs without calibration."""
+    (report,) = run_pipeline(tiny_onnx("llama"), tmp_path / "magnitude" / "model.onnx",
+                             "sparsify:method=magnitude,only_profitable=false", progress=False)
+    assert report["counts"]["pruned_24"] == 14
+    for spec in ("sparsify:only_profitable=false", "sparsify:method=wanda,only_profitable=false"):
+        with pytest.raises(UserError, match="passes sparsify need calibration data") as err:
+            run_pipeline(tiny_onnx("llama"), tmp_path / "wanda" / "model.onnx", spec, progress=False)
+        assert "calibration set" in err.value.fix
+
+
 @dataclass(frozen=True)
 class NoParams:
     pass

@@ -6,6 +6,7 @@ import pytest
 
 from enginesmith.errors import UserError
 from enginesmith.passes import PRESETS, build_pipeline, parse_pipeline, passes, preset_steps
+from enginesmith.passes.registry import calibrated_steps
 
 
 def test_parse_pipeline_names_params_and_types():
@@ -67,9 +68,15 @@ def test_presets_and_build_pipeline():
 def test_registry_declares_exactness_and_calibration():
     table = passes()
     assert table["smoothquant"].is_exact(table["smoothquant"].params())
-    assert table["awq"].is_exact(table["awq"].params()) and table["awq"].calibrated
+    assert table["awq"].is_exact(table["awq"].params()) and table["awq"].needs_calibration(table["awq"].params())
     assert not table["quantize_w8a8"].is_exact(table["quantize_w8a8"].params())
     lower = table["lower_ort"]
     assert lower.is_exact(lower.params(accuracy_level=0))
     assert not lower.is_exact(lower.params(accuracy_level=4))
+    assert not lower.needs_calibration(lower.params())
+    sparsify = table["sparsify"]                          # only Wanda reads activation statistics
+    assert sparsify.needs_calibration(sparsify.params(method="wanda"))
+    assert not sparsify.needs_calibration(sparsify.params(method="magnitude"))
+    steps = parse_pipeline("sparsify:method=magnitude,awq,sparsify:method=wanda")
+    assert [s.spec() for s in calibrated_steps(steps)] == ["awq", "sparsify"]
     assert all(info.doc for info in table.values())

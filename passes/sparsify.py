@@ -20,6 +20,14 @@ Lowerings (`lower`):
         + Add for a Gemm bias; float16/bfloat16 graphs only, N and K multiples of 16
   none  enginesmith.SparseGemm24(x, W [N, K]) [+ Add(bias)]: the IR op, for `lower_sparse`
 
+Where the weights live: with `ort` and `none`, W is an initializer and goes to the external data
+file like every other weight. The plugin takes W as a build-time *field* (it has one input, X, and
+compresses W once when the engine is built), and TensorRT's ONNX parser fills plugin fields from
+node attributes only; so with `trt` every W is a tensor attribute, serialized inside the ONNX
+protobuf, which cannot exceed 2 GiB. W goes in dense (zeros included, the plugin compresses it), so
+that is about a billion sparsified float16 parameters: the lowering refuses more with a UserError
+instead of failing in the protobuf writer when the graph is saved.
+
 Lossy: measured by perplexity (benchmarks/sparsity/), not compared by the pass manager.
 """
 
@@ -45,6 +53,9 @@ METHODS = ("magnitude", "wanda")
 LOWERINGS = ("ort", "trt", "none")
 METADATA_KEY = "enginesmith.sparsity"
 HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+# Bytes of tensor attributes one ONNX file can hold: protobuf's 2 GiB message limit, less room for
+# the rest of the serialized graph (nodes, names, small inline initializers).
+INLINE_LIMIT = 2**31 - (64 << 20)
 
 
 @dataclass(frozen=True)
@@ -205,11 +216,27 @@ def _lower_trt(graph: ir.Graph, namer: Namer, node: ir.Node, align: int) -> None
     ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [node.outputs[0]], [new.outputs[0]])
 
 
+def _check_inline_size(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Refuse plugin weights that, as tensor attributes, would not fit one protobuf (checked before
+    any weight is copied into an attribute)."""
+    weights = sum(n.inputs[1].const_value.nbytes for n in nodes)
+    inline = sum(a.value.nbytes for n in graph for a in n.attributes.values() if a.type == ir.AttributeType.TENSOR)
+    if weights + inline > INLINE_LIMIT:
+        raise UserError(f"the SparseGemm24 TensorRT plugin takes its weights as node attributes, stored inside "
+                        f"the ONNX protobuf, which holds at most {INLINE_LIMIT / 2**20:.1f} MiB of them: with these "
+                        f"{len(nodes)} layers the graph would hold {(weights + inline) / 2**20:.1f} MiB",
+                        "sparsify fewer layers for TensorRT (only_profitable=true, include_lm_head=false), or use "
+                        "lower=ort (the pruned weights stay in MatMul initializers, in external data, run dense)")
+
+
 def lower_sparse_graph(model: ir.Model, target: str) -> int:
     """Lower every enginesmith.SparseGemm24 node for `target` (ort | trt); returns the count."""
     nodes = _sparse_nodes(model)
     graph, namer = model.graph, Namer(model.graph)
-    align = plugin_dim_align() if target == "trt" and nodes else 0
+    align = 0
+    if target == "trt" and nodes:
+        _check_inline_size(graph, nodes)
+        align = plugin_dim_align()
     for node in nodes:
         if target == "ort":
             _lower_ort(graph, namer, node)

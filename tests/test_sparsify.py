@@ -204,6 +204,28 @@ def test_trt_lowering_writes_sparse_gemm_plugin_nodes(tmp_path):
     assert trt_lint.lint(dst, "11") == []
 
 
+def test_trt_lowering_refuses_plugin_weights_beyond_the_protobuf_limit(tmp_path, monkeypatch):
+    """The plugin's weights are node attributes inside the ONNX protobuf (2 GiB at most): past the
+    limit the lowering says so, before saving, instead of the protobuf writer crashing. The limit is
+    lowered here to three 128x128 float16 weights; the test model has 14 such layers or larger.
+    The IR op (lower=none) keeps W an initializer, saved in external data like every other weight."""
+    import enginesmith.passes.sparsify as module
+    from enginesmith.passes.pipeline import run_pipeline
+    from test_kv_paged import h64_fp16_graph
+
+    monkeypatch.setattr(module, "INLINE_LIMIT", 3 * 128 * 128 * 2)
+    spec = "sparsify:method=magnitude,only_profitable=false,lower="
+    out = tmp_path / "trt"
+    with pytest.raises(UserError, match=r"takes its weights as node attributes.* with these 14 layers") as err:
+        run_pipeline(h64_fp16_graph(), out / "model.onnx", spec + "trt", progress=False)
+    assert "lower=ort" in err.value.fix
+    assert list(out.iterdir()) == []                         # nothing half-written
+    run_pipeline(h64_fp16_graph(), tmp_path / "ir" / "model.onnx", spec + "none", progress=False)
+    model = ir.load(tmp_path / "ir" / "model.onnx")
+    weights = [n.inputs[1].const_value for n in model.graph if n.op_type == "SparseGemm24"]
+    assert len(weights) == 14 and all(isinstance(w, ir.ExternalTensor) for w in weights)
+
+
 def test_trt_lowering_refuses_bad_weights_and_types():
     def graph(w: np.ndarray, dtype) -> ir.Model:
         x = ir.Value(name="x", type=ir.TensorType(dtype), shape=ir.Shape(["m", w.shape[1]]))

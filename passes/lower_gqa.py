@@ -165,18 +165,27 @@ def _rotary_reason(m: Match, tag: str, d: int) -> str | None:
 
 
 def _position_inputs(value: ir.Value) -> set[str]:
-    """Names of the graph inputs `value` is computed from."""
-    seen, stack, found = set(), [value], set()
+    """Names of the graph inputs `value` is computed from, apart from inputs it reads only the
+    shape of (transformers 5.17 sizes the inv_freq Expand by the batch of a past KV input)."""
+    return _inputs_of(value)[0]
+
+
+def _inputs_of(value: ir.Value) -> tuple[set[str], dict[str, ir.Value]]:
+    """(graph inputs whose values `value` depends on, {name: input} read only through Shape)."""
+    seen, stack, found, shaped = set(), [value], set(), {}
     while stack:
         v = stack.pop()
         if id(v) in seen or v is None:
             continue
         seen.add(id(v))
+        node = v.producer()
         if v.is_graph_input():
             found.add(v.name)
-        elif v.producer() is not None:
-            stack.extend(v.producer().inputs)
-    return found
+        elif node is not None and node.op_type == "Shape" and node.domain == "" and node.inputs[0].is_graph_input():
+            shaped[node.inputs[0].name] = node.inputs[0]
+        elif node is not None:
+            stack.extend(node.inputs)
+    return found, {k: v for k, v in shaped.items() if k not in found}
 
 
 def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarray:
@@ -196,9 +205,17 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
     order = {id(n): i for i, n in enumerate(model.graph)}
     nodes.sort(key=lambda n: order[id(n)])
     consts = {i.name: i for n in nodes for i in n.inputs if i is not None and i.const_value is not None}
+    # Inputs read only through Shape: batch 1 like position_ids, every other unknown dim 1.
+    shaped = _inputs_of(value)[1]
+    dummies = {name: np.zeros([d if isinstance(d, int) else 1 for d in v.shape], ir.DataType(v.dtype).numpy())
+               for name, v in shaped.items()}
+    for array in dummies.values():
+        array.shape = (1,) + array.shape[1:] if array.ndim else array.shape
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in nodes], "rotary_table",
-        [onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, capacity])],
+        [onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, capacity])] +
+        [onnx.helper.make_tensor_value_info(name, int(shaped[name].dtype), list(a.shape))
+         for name, a in dummies.items()],
         [onnx.helper.make_value_info(value.name, onnx.TypeProto())],
         [ir.serde.serialize_tensor(c.const_value) for c in consts.values()])
     for init, name in zip(graph.initializer, consts):
@@ -209,7 +226,7 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    out = session.run(None, {"position_ids": np.arange(capacity, dtype=np.int64)[None]})[0]
+    out = session.run(None, {"position_ids": np.arange(capacity, dtype=np.int64)[None], **dummies})[0]
     return out.reshape(capacity, -1)
 
 

@@ -132,7 +132,7 @@ def test_fused_gate_up_gives_the_same_logits(tiny_engine, tmp_path):
 
 
 def test_fused_gate_up_quantizes_as_one_matmulnbits(tiny_engine, tmp_path):
-    out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
+    _, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
                            "lower_gqa:capacity=64,skip_rmsnorm,fuse_matmul,quantize_w4a16:block_size=32,lower_ort")
     assert counts["lower_ort"]["matmulnbits"] == 8  # qkv, o, gate|up, down per layer
 
@@ -147,3 +147,36 @@ def test_transposed_weights_after_lowering_give_the_same_logits(tiny_engine, tmp
     assert counts["matmul_transb"]["fused_matmul_transb"] == 2 * 5 + 1
     assert _ops(out)["MatMul"] == 0
     _compare(tiny_engine("llama") / "model.onnx", out, atol=1e-4)
+
+
+def test_rotary_sized_by_a_past_kv_shape_is_lowered(tiny_engine, tmp_path):
+    """transformers 5.17 exports size the rotary inv_freq Expand by the batch of a past KV input
+    (Shape(past_key_values.*)): the table is still a function of position_ids alone and lowers.
+    Here the same dependency is added to a newer export: cos/sin = Expand(cos/sin, [B_past, 1, 1])."""
+    src = tiny_engine("llama") / "model.onnx"
+    model = ir.load(src)
+    graph = model.graph
+    past = next(v for v in graph.inputs if v.name.startswith("past_key_values."))
+    rotary = [n for n in graph if n.op_type == "RotaryEmbedding"]
+    assert rotary, "the fp32 export has fused RotaryEmbedding nodes"
+    shape = ir.Node("", "Shape", [past], [ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)], name="past_batch")
+    ones = ir.Value(name="ones_2", const_value=ir.tensor(np.ones(2, np.int64), name="ones_2"))
+    graph.register_initializer(ones)
+    target = ir.Node("", "Concat", [shape.outputs[0], ones], [ir.AttrInt64("axis", 0)], name="past_batch_shape")
+    graph.insert_before(rotary[0], [shape, target])
+    for node in (shape, target):
+        node.outputs[0].name, node.outputs[0].type = f"{node.name}_out", ir.TensorType(ir.DataType.INT64)
+    for i, table in enumerate({id(n.inputs[k]): n.inputs[k] for n in rotary for k in (1, 2)}.values()):
+        expand = ir.Node("", "Expand", [table, target.outputs[0]], name=f"batch_expand_{i}")
+        graph.insert_before(rotary[0], expand)
+        expand.outputs[0].name, expand.outputs[0].type = f"batch_expanded_{i}", ir.TensorType(ir.DataType.FLOAT)
+        for n in rotary:
+            for k in (1, 2):
+                if n.inputs[k] is table:
+                    n.replace_input_with(k, expand.outputs[0])
+    edited = tmp_path / "edited" / "model.onnx"
+    edited.parent.mkdir()
+    ir.save(model, edited, external_data="model.onnx.data")
+    out, counts = _lowered(edited, tmp_path)
+    assert counts["lower_gqa"] == {"gqa": 2, "not_lowered": 0}
+    _compare(src, out, atol=1e-4)

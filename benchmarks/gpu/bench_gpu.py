@@ -197,6 +197,28 @@ def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int) -
     return out
 
 
+@section("llama1b_after_genai")
+def llama1b_again(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int) -> dict:
+    """Ours again, right after GenAI, batch 1 with CUDA graphs: the peer comparison brackets GenAI's
+    run by ours before and after it (the machines drift by a few percent within a session)."""
+    from enginesmith.measure.speed import onnx_weight_bytes
+    from enginesmith.runtime.ort_cuda import GqaEngine
+
+    out = {}
+    for name in ("fp16", "w4a16lm"):
+        path = graphs / f"llama1b_{name}.onnx"
+        if path.exists():
+            engine = GqaEngine(path, device="cuda", max_batch=1, capacity=512, cuda_graph="torch")
+            r = ours(engine, 1, 128, new_tokens, warmup=2, reps=reps)
+            if bandwidth:
+                r["bound"] = bound(onnx_weight_bytes(path), bandwidth, r["decode_tok_s"], 1, 128 + new_tokens // 2,
+                                   16, 8, 64)
+            out[name] = r
+            del engine
+            _free()
+    return out
+
+
 @section("hf")
 def hf(new_tokens: int, reps: int) -> dict:
     import torch
@@ -342,6 +364,8 @@ def main(argv=None) -> int:
         hf(args.new_tokens, args.reps)
     if want("genai") and args.genai_script:
         genai(args.genai_script, args.work)
+        if want("llama1b"):
+            llama1b_again(args.graphs, bw, args.new_tokens, args.reps)
     if want("smollm2"):
         smollm2(args.work, bw)
     if want("smollm2_ngram"):

@@ -1,4 +1,5 @@
-"""Direct graph edits shared by the passes: replace a constant, add an initializer, add a node.
+"""Direct graph edits shared by the passes: replace a constant, add an initializer, add a node,
+build a group of nodes for one rewrite (Emit).
 
 Passes change only the tensors they touch; every other initializer stays a lazy external tensor
 (onnx_ir memory-maps it), so a pass over a large model holds only its own new arrays in RAM.
@@ -79,13 +80,43 @@ def add_node(graph: ir.Graph, namer: Namer, op_type: str, inputs: list[ir.Value 
     return out
 
 
+class Emit:
+    """Makes the nodes of one rewrite, named `base/op`, collected in `nodes` (the caller inserts
+    them: before the node they replace, or through ir.convenience.replace_nodes_and_values)."""
+
+    def __init__(self, graph: ir.Graph, namer: Namer, base: str):
+        self.graph, self.namer, self.base = graph, namer, base
+        self.nodes: list[ir.Node] = []
+
+    def __call__(self, op: str, inputs, attrs: dict | None = None, dtype=None, shape=None, domain: str = "",
+                 outputs: int = 1):
+        """A new node; returns its output (or its outputs when `outputs` > 1), the first one typed
+        `dtype` and shaped `shape` when given."""
+        node = ir.Node(domain, op, inputs, [_attr(k, v) for k, v in (attrs or {}).items()],
+                       num_outputs=outputs, name=self.namer(f"{self.base}/{op}"))
+        for out in node.outputs:
+            out.name = self.namer(f"{self.base}/{op}_out")
+        if dtype is not None:
+            node.outputs[0].type = ir.TensorType(dtype)
+        if shape is not None:
+            node.outputs[0].shape = ir.Shape(shape)
+        self.nodes.append(node)
+        return node.outputs[0] if outputs == 1 else node.outputs
+
+    def const(self, name: str, array) -> ir.Value:
+        """A new initializer `base/name` holding `array`."""
+        return add_initializer(self.graph, self.namer, f"{self.base}/{name}", np.asarray(array))
+
+
 def _attr(name: str, value) -> ir.Attr:
-    if isinstance(value, bool) or isinstance(value, (int, np.integer)):
+    if isinstance(value, (bool, int, np.integer)):
         return ir.AttrInt64(name, int(value))
     if isinstance(value, float):
         return ir.AttrFloat32(name, value)
     if isinstance(value, str):
         return ir.AttrString(name, value)
+    if isinstance(value, (list, tuple)):
+        return ir.AttrInt64s(name, [int(v) for v in value])
     raise TypeError(f"attribute {name}: unsupported {type(value).__name__}")
 
 

@@ -27,8 +27,8 @@ from enginesmith.passes.match import Rejection
 
 # Modules of this package that only hold machinery, not passes (every other module is imported by
 # `passes()`, so a new pass module registers itself by being there).
-MACHINERY = {"calibrate", "edit", "fold", "linears", "match", "paged_verify", "pipeline", "qmath", "registry",
-             "ring_verify", "sites", "verify"}
+MACHINERY = {"calibrate", "edit", "fold", "linears", "match", "paged_lower", "paged_rewrite", "paged_verify",
+             "pipeline", "qmath", "registry", "ring_rope", "ring_verify", "sites", "verify"}
 
 
 @dataclass

@@ -29,7 +29,8 @@ import pytest
 
 from enginesmith.errors import UserError
 from enginesmith.passes import PassCheckError, Step, run_pipeline
-from enginesmith.passes.kv_paged import KVPagedParams, kv_paged, lower_paged_graph
+from enginesmith.passes.kv_paged import KVPagedParams, kv_paged
+from enginesmith.passes.paged_lower import lower_paged_graph
 from enginesmith.runtime.kv_paged import PagedKVCache, PagedKVPool, PagedStep, build_step, check_step
 from enginesmith.runtime.ort_engine import OrtEngine
 

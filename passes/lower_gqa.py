@@ -209,8 +209,7 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
     shaped = _inputs_of(value)[1]
     dummies = {name: np.zeros([d if isinstance(d, int) else 1 for d in v.shape], ir.DataType(v.dtype).numpy())
                for name, v in shaped.items()}
-    for array in dummies.values():
-        array.shape = (1,) + array.shape[1:] if array.ndim else array.shape
+    dummies = {name: a.reshape((1,) + a.shape[1:]) if a.ndim else a for name, a in dummies.items()}
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in nodes], "rotary_table",
         [onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, capacity])] +
@@ -222,6 +221,7 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
         init.name = name
     proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
                                                          for d, v in model.opset_imports.items()])
+    proto.ir_version = min(model.ir_version, proto.ir_version)  # onnx's newest may be past this ORT's
     proto = onnx.shape_inference.infer_shapes(proto)  # gives the output its type
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

@@ -27,6 +27,7 @@ CUDA graphs, two ways (`cuda_graph=`):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -128,6 +129,11 @@ class GqaEngine:
         providers: list = ["CPUExecutionProvider"]
         self.stream = None
         if device == "cuda":
+            # GQA decode: ORT 1.31 picks its XQA kernel by default; flash decoding was faster on an
+            # H200 (Llama-3.2-1B shape, batch 1, ~256 positions: 846 vs 811 tok/s, one session,
+            # benchmarks/gpu/profile_decode.py). ORT reads this when the session is built; a value the
+            # user set wins.
+            os.environ.setdefault("ORT_ENABLE_XQA", "0")
             if hasattr(ort, "preload_dlls"):
                 ort.preload_dlls()
             self.stream = torch.cuda.Stream(self.torch_device)  # capture needs a non-default stream

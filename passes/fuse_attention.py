@@ -183,6 +183,35 @@ def repeat_source(value: ir.Value) -> ir.Value | None:
     return x if out_rank == 4 else None
 
 
+def dense_kv_reason(m: Match, gqa: bool) -> str | None:
+    """Why an Attention matched over K/V = Concat(past_k/past_v, new) [+ GQA repeat] (captures
+    past_k, past_v, present_k, present_v) is not a layer of the exported dense KV cache; None when it
+    is: pasts are graph inputs of static [B, Hkv, P, D] shape, presents are graph outputs concatenated
+    along the sequence, the expansion is a GQA repeat, and the Attention has no past or used extra
+    outputs of its own. The KV-layout passes (kv_ring, kv_paged) rewrite exactly these layers."""
+    att = m.root
+    for name in ("past_k", "past_v"):
+        if not m[name].is_graph_input():
+            return f"{name} is not a graph input"
+        shape = m[name].shape
+        if shape is None or len(shape) != 4 or not all(isinstance(shape[d], int) for d in (1, 3)):
+            return f"{name} has no static [B, Hkv, P, D] shape"
+    graph_outputs = {id(v) for v in att.graph.outputs}
+    for name in ("present_k", "present_v"):
+        if id(m[name]) not in graph_outputs:
+            return f"{name} is not a graph output"
+        if match.attr(m[name].producer(), "axis") not in (-2, 2):
+            return "the KV concat is not along the sequence axis"
+    if gqa and (repeat_source(att.inputs[1]) is not m["present_k"]
+                or repeat_source(att.inputs[2]) is not m["present_v"]):
+        return "K/V expansion is not a GQA repeat along the head axis"
+    if len(att.inputs) > 4 and any(i is not None for i in att.inputs[4:]):
+        return "Attention has its own past_key/past_value inputs"
+    if any(o.uses() or o in att.graph.outputs for o in att.outputs[1:]):
+        return "Attention's present/qk outputs are used"
+    return None
+
+
 def _fuse(graph: ir.Graph, m: Match) -> bool:
     """Replace the match by one Attention node; True when the GQA repeat was folded."""
     k, v = m["k"], m["v"]
@@ -264,4 +293,4 @@ def fuse_attention_proto(proto, params: FuseAttentionParams | None = None):
 
 
 __all__ = ["FuseAttentionParams", "UnfusedAttention", "fuse_attention", "fuse_attention_proto",
-           "ensure_opset", "repeat_source"]
+           "ensure_opset", "repeat_source", "dense_kv_reason"]

@@ -50,7 +50,7 @@ import onnx_ir as ir
 from enginesmith.errors import UserError
 from enginesmith.passes import match
 from enginesmith.passes.edit import Namer, add_initializer, add_node
-from enginesmith.passes.fuse_attention import ensure_opset, remove_dead_nodes, repeat_source
+from enginesmith.passes.fuse_attention import dense_kv_reason, ensure_opset, remove_dead_nodes
 from enginesmith.passes.match import Match, Rule, gqa_repeat
 from enginesmith.passes.registry import PassContext, PassResult, register
 from enginesmith.passes.ring_rope import RopeCloner, rotary_for_cache
@@ -94,31 +94,13 @@ class DenseKVAttention(Rule):
         return op.Attention(q, k, v, _allow_other_inputs=True, _allow_other_attributes=True)
 
     def check(self, m: Match) -> str | None:
-        att = m.root
-        for name in ("past_k", "past_v"):
-            if not m[name].is_graph_input():
-                return f"{name} is not a graph input"
-        graph_outputs = {id(v) for v in att.graph.outputs}
-        for name in ("present_k", "present_v"):
-            if id(m[name]) not in graph_outputs:
-                return f"{name} is not a graph output"
-            if match.attr(m[name].producer(), "axis") not in (-2, 2):
-                return "the KV concat is not along the sequence axis"
-        if self.gqa and (repeat_source(att.inputs[1]) is not m["present_k"]
-                         or repeat_source(att.inputs[2]) is not m["present_v"]):
-            return "K/V expansion is not a GQA repeat along the head axis"
-        if match.attr(att, "is_causal", 0):
+        reason = dense_kv_reason(m, self.gqa)
+        if reason:
+            return reason
+        if match.attr(m.root, "is_causal", 0):
             return "Attention uses is_causal (its mask is not the exported one)"
-        if len(att.inputs) > 4 and any(i is not None for i in att.inputs[4:]):
-            return "Attention has its own past_key/past_value inputs"
-        if any(o.uses() or o in att.graph.outputs for o in att.outputs[1:]):
-            return "Attention's present/qk outputs are used"
         if len(m["k_rot"].uses()) != 1:
             return "the rotated new keys are used outside the cache"
-        for name in ("past_k", "past_v"):
-            shape = m[name].shape
-            if shape is None or len(shape) != 4 or not all(isinstance(shape[d], int) for d in (1, 3)):
-                return f"{name} has no static [B, Hkv, P, D] shape"
         return None
 
 

@@ -35,7 +35,7 @@ import onnx_ir as ir
 from enginesmith.errors import UserError
 from enginesmith.passes import match
 from enginesmith.passes.edit import Emit, Namer
-from enginesmith.passes.fuse_attention import ensure_opset, remove_dead_nodes, repeat_source
+from enginesmith.passes.fuse_attention import dense_kv_reason, ensure_opset, remove_dead_nodes
 from enginesmith.passes.match import Match, Rule, gqa_repeat
 
 DOMAIN = "enginesmith"
@@ -59,21 +59,9 @@ class DenseKVAttention(Rule):
 
     def check(self, m: Match) -> str | None:
         att = m.root
-        outputs = {id(v) for v in att.graph.outputs}
-        for name in ("past_k", "past_v"):
-            if not m[name].is_graph_input():
-                return f"{name} is not a graph input"
-            shape = m[name].shape
-            if shape is None or len(shape) != 4 or not all(isinstance(shape[d], int) for d in (1, 3)):
-                return f"{name} has no static [B, Hkv, P, D] shape"
-        for name in ("present_k", "present_v"):
-            if id(m[name]) not in outputs:
-                return f"{name} is not a graph output"
-            if match.attr(m[name].producer(), "axis") not in (-2, 2):
-                return "the KV concat is not along the sequence axis"
-        if self.gqa and (repeat_source(att.inputs[1]) is not m["present_k"]
-                         or repeat_source(att.inputs[2]) is not m["present_v"]):
-            return "K/V expansion is not a GQA repeat along the head axis"
+        reason = dense_kv_reason(m, self.gqa)
+        if reason:
+            return reason
         q = m["q"]
         if q.shape is None or len(q.shape) != 4 or not isinstance(q.shape[1], int):
             return "query has no static [B, H, S, D] shape"
@@ -82,10 +70,6 @@ class DenseKVAttention(Rule):
         for name, default in (("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0)):
             if match.attr(att, name, default) != default:
                 return f"Attention has {name}={match.attr(att, name)} (the paged op supports plain softmax)"
-        if len(att.inputs) > 4 and any(i is not None for i in att.inputs[4:]):
-            return "Attention has its own past_key/past_value inputs"
-        if any(o.uses() or o in att.graph.outputs for o in att.outputs[1:]):
-            return "Attention's present/qk outputs are used"
         return None
 
 

@@ -285,12 +285,5 @@ def fuse_attention(model: ir.Model, params: FuseAttentionParams | None = None,
     return PassResult(counts, rejected)
 
 
-def fuse_attention_proto(proto, params: FuseAttentionParams | None = None):
-    """fuse_attention on an onnx.ModelProto: (new ModelProto, counts)."""
-    model = ir.from_proto(proto)
-    result = fuse_attention(model, params or FuseAttentionParams())
-    return ir.to_proto(model), result.counts
-
-
-__all__ = ["FuseAttentionParams", "UnfusedAttention", "fuse_attention", "fuse_attention_proto",
+__all__ = ["FuseAttentionParams", "UnfusedAttention", "fuse_attention",
            "ensure_opset", "repeat_source", "dense_kv_reason"]

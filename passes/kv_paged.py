@@ -75,10 +75,3 @@ def lower_paged(model: ir.Model, params: LowerPagedParams | None = None, ctx: Pa
     (cuda) or the TensorRT plugin node (trt). Not compared by the manager: its input does not run on ORT."""
     params = params or LowerPagedParams()
     return PassResult({"lowered": lower_paged_graph(model, params.target)})
-
-
-def kv_paged_proto(proto, page_size: int = 16, lower: str = "cpu"):
-    """kv_paged on an onnx.ModelProto (not compared: no pass manager): (new ModelProto, counts)."""
-    model = ir.from_proto(proto)
-    result = kv_paged(model, KVPagedParams(page_size, lower))
-    return ir.to_proto(model), result.counts

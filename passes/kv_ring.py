@@ -288,10 +288,3 @@ def kv_ring(model: ir.Model, params: KVRingParams | None = None, ctx: PassContex
     model.metadata_props[METADATA_KEY] = json.dumps(
         {"type": "ring", "sinks": params.sinks, "window": params.window, "capacity": params.capacity})
     return PassResult({"ring_layers": len(found)}, rejected)
-
-
-def kv_ring_proto(proto, sinks: int = 4, window: int = 1020):
-    """kv_ring on an onnx.ModelProto: (new ModelProto, counts)."""
-    model = ir.from_proto(proto)
-    result = kv_ring(model, KVRingParams(sinks, window))
-    return ir.to_proto(model), result.counts

@@ -25,7 +25,11 @@ def ring_steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarra
                         np.float16 if "float16" in inputs[n].type else np.float32)
             for n in inputs if n.startswith(("past_key_values.", "past_sinks."))}
     if ids.shape[1] + next_ids.shape[1] > cache.capacity:
-        raise ValueError("the check must not evict: use fewer tokens than the ring holds")
+        from enginesmith.errors import UserError
+
+        raise UserError(f"the ring holds {cache.capacity} tokens, fewer than the {ids.shape[1] + next_ids.shape[1]} "
+                        "the output check feeds before any eviction",
+                        "use a ring of at least 8 tokens (sinks + window)")
     logits = []
     for step_ids in (ids, *np.split(next_ids, next_ids.shape[1], axis=1)):
         feeds = cache.feeds(np.ones_like(step_ids), step_ids)
@@ -35,10 +39,3 @@ def ring_steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarra
         past = {n: out[n.replace("past_key_values.", "present.").replace("past_sinks.", "present_sinks.")]
                 for n in past}
     return logits
-
-
-
-def ring_capacity(session) -> int:
-    """Slots of a ring graph (sinks + window), from its input shapes."""
-    inputs = {i.name: i for i in session.get_inputs()}
-    return int(inputs["attention_mask"].shape[1])

@@ -313,3 +313,14 @@ def test_streaming_chat_benchmark_short_version(tmp_path):
     assert result["generated_tokens"] >= 600 and result["tokens_through_cache"] > 20 * 32
     assert len({s["cache_mib"] for s in result["samples"]}) == 1
     assert result["rss_growth_mib"] < 20, result["rss_growth_mib"]
+
+
+def test_ring_too_small_for_the_output_check_is_a_user_error(tiny_engine, tmp_path):
+    """The pass manager's check feeds 7 tokens before any eviction: a smaller ring is refused with a
+    UserError that says how large it must be, not a traceback, and nothing is written."""
+    from enginesmith.passes import run_pipeline
+
+    with pytest.raises(UserError, match="at least 8 tokens"):
+        run_pipeline(tiny_engine("llama") / "model.onnx", tmp_path / "ring.onnx", "kv_ring:sinks=1,window=3",
+                     progress=False)
+    assert not (tmp_path / "ring.onnx").exists()

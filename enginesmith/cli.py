@@ -172,6 +172,8 @@ def cmd_build(args) -> int:
         trt = trt_build.config_from_args(args)
     elif args.preset:
         raise UserError("--preset is a TensorRT (Jetson) preset", "add --backend trt")
+    if args.for_cuda:
+        return _build_for_cuda(args)
     path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend,
                              kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window,
                              page_size=args.page_size, quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
@@ -180,6 +182,27 @@ def cmd_build(args) -> int:
                              trt=trt, preset=args.preset, trt_version=args.trt_version),
                  Path(args.out), force=args.force)
     print(path)
+    return 0
+
+
+def _build_for_cuda(args) -> int:
+    """build --for-cuda: the plain engine (cached), then build.lower_for_cuda into --out."""
+    from enginesmith.build import BuildConfig, cached_engine, lower_for_cuda
+
+    refuse = [(args.backend != "ort", "--backend trt"), (args.kv != "dense", f"--kv {args.kv}"),
+              (args.passes is not None, "--passes"), (args.preset is not None, "--preset"),
+              (args.quant not in (None, "w4a16-rtn"), f"--quant {args.quant}"),
+              (args.dtype == "fp32", "--dtype fp32 (GroupQueryAttention on CUDA is fp16/bf16)")]
+    bad = [what for cond, what in refuse if cond]
+    if bad:
+        raise UserError(f"--for-cuda does not combine with {', '.join(bad)}",
+                        "use --for-cuda with --dtype fp16 or bf16 and, for int4 weights, --quant w4a16-rtn")
+    src = cached_engine(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset))
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise UserError(f"{out} already exists", "pass --force to replace it, or choose another --out")
+    quant = "w4a16" if args.quant == "w4a16-rtn" else None
+    print(lower_for_cuda(src, out, quant=quant, block_size=args.block_size, force=args.force))
     return 0
 
 
@@ -283,9 +306,10 @@ def cmd_bench(args) -> int:
     from enginesmith.measure import report
 
     spec = _speculative(args)
+    compare = _compare_list(args.compare)
     loaded = _open(args)
     result = report.bench(loaded, args.prompt_tokens, args.new_tokens, args.batch, args.repeats,
-                          compare_hf=args.compare == "hf", threads=args.threads)
+                          compare=compare, threads=args.threads)
     if spec:
         from enginesmith.measure import speed
         from enginesmith.runtime.chat import stop_token_ids
@@ -296,6 +320,17 @@ def cmd_bench(args) -> int:
                                                         args.repeats, stop_token_ids(loaded.tokenizer, loaded.manifest))
     print(json.dumps(result) if args.json else report.format_bench(result) + _format_speculative(result))
     return 0
+
+
+def _compare_list(text: str | None) -> tuple[str, ...]:
+    """--compare hf,hf-compile -> ("hf", "hf-compile"), checked before any model is loaded."""
+    from enginesmith.measure.report import COMPARE
+
+    items = tuple(dict.fromkeys(x.strip() for x in (text or "").split(",") if x.strip()))
+    unknown = [x for x in items if x not in COMPARE]
+    if unknown:
+        raise UserError(f"unknown --compare {', '.join(unknown)}", f"use one or more of: {', '.join(COMPARE)}")
+    return items
 
 
 def _format_speculative(result: dict) -> str:
@@ -381,6 +416,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="ort", choices=["ort", "trt"],
                    help="ort (ONNX Runtime, default) or trt (TensorRT: needs tensorrt and a GPU)")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    p.add_argument("--for-cuda", action="store_true",
+                   help="lower for ONNX Runtime CUDA's decode loop (GroupQueryAttention on one KV buffer, "
+                        "CUDA graphs, sampling on the device); fp16/bf16, dense KV, optional --quant w4a16-rtn")
     _add_kv_flags(p)
     g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ, ...)")
     g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"],
@@ -434,7 +472,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also measure HF transformers eager")
+    p.add_argument("--compare", default=None, metavar="LIST",
+                   help="also measure HF transformers: hf (eager), hf-compile (static cache + torch.compile, "
+                        "CUDA); comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_speculative_flags(p)
     p.set_defaults(func=cmd_bench)

@@ -1,6 +1,6 @@
 """What `enginesmith bench` and `enginesmith eval` compute and print, over an opened engine.
 
-The CLI resolves the engine (and, with --compare hf, the PyTorch model it was built from); these
+The CLI resolves the engine (and, with --compare, the PyTorch model it was built from); these
 functions run the measurement and format it. Results are plain JSON-able dicts.
 """
 
@@ -16,12 +16,39 @@ def source_model(manifest: dict):
     return models.load(manifest["source"]["path"]).model
 
 
+COMPARE = ("hf", "hf-compile")
+
+
+def hf_model(loaded):
+    """The PyTorch model of --compare: the source model on the engine's device, in the engine's
+    float type on CUDA (fp16 for fp16 and fp16+w4a16 engines, bf16 for bf16), fp32 on the CPU."""
+    import torch
+
+    model = source_model(loaded.manifest)
+    if getattr(loaded.engine, "device", "cpu") == "cuda":
+        precision = str(loaded.manifest.get("precision", "fp32"))
+        dtype = torch.bfloat16 if precision.startswith("bf16") else \
+            torch.float16 if precision.startswith("fp16") else torch.float32
+        model = model.to("cuda", dtype=dtype)
+    return model.eval()
+
+
 def bench(loaded, prompt_tokens: int, new_tokens: int, batch: int, repeats: int,
-          compare_hf: bool = False, threads: int | None = None) -> dict:
+          compare: tuple[str, ...] = (), threads: int | None = None) -> dict:
+    """Our engine, then (compare) HF transformers eager ("hf") and HF's static cache +
+    torch.compile ("hf-compile", CUDA), all on one prompt; plus the bandwidth bound of our engine's
+    device (weights + KV at the mean context per step over the measured copy bandwidth)."""
+    from enginesmith.errors import UserError
+
+    unknown = [c for c in compare if c not in COMPARE]
+    if unknown:
+        raise UserError(f"unknown --compare {', '.join(unknown)}", f"use one or more of: {', '.join(COMPARE)}")
+    device = getattr(loaded.engine, "device", "cpu")
+    if "hf-compile" in compare and device != "cuda":
+        raise UserError("--compare hf-compile (static cache + torch.compile) runs on CUDA only",
+                        "run on a GPU machine with --device cuda, or use --compare hf")
     prompt = speed.make_prompt(prompt_tokens, batch, loaded.engine.vocab, loaded.tokenizer)
     if prompt_tokens + new_tokens > loaded.max_positions:
-        from enginesmith.errors import UserError
-
         raise UserError(f"prompt {prompt_tokens} + new {new_tokens} tokens exceed the context of "
                         f"{loaded.max_positions}", "use fewer --prompt-tokens/--new-tokens")
     result = {
@@ -31,28 +58,58 @@ def bench(loaded, prompt_tokens: int, new_tokens: int, batch: int, repeats: int,
         "enginesmith": speed.bench_engine(loaded.engine, prompt=prompt, new_tokens=new_tokens,
                                           warmup=1, repeats=repeats),
     }
-    if compare_hf:
-        model = source_model(loaded.manifest)
-        result["hf"] = speed.bench_hf(model, prompt=prompt, new_tokens=new_tokens, warmup=1,
-                                      repeats=repeats, threads=threads)
-        result["decode_speedup_vs_hf"] = round(
-            result["enginesmith"]["decode_tok_s"] / result["hf"]["decode_tok_s"], 2)
-        result["prefill_speedup_vs_hf"] = round(
-            result["enginesmith"]["prefill_tok_s"] / result["hf"]["prefill_tok_s"], 2)
+    result["bound"] = engine_bound(loaded, result["enginesmith"]["decode_tok_s"], batch,
+                                   prompt_tokens + new_tokens // 2)
+    if compare:
+        model = hf_model(loaded)
+        if "hf" in compare:
+            result["hf"] = speed.bench_hf(model, prompt=prompt, new_tokens=new_tokens, warmup=1,
+                                          repeats=repeats, threads=threads)
+            result["decode_speedup_vs_hf"] = round(
+                result["enginesmith"]["decode_tok_s"] / result["hf"]["decode_tok_s"], 2)
+            result["prefill_speedup_vs_hf"] = round(
+                result["enginesmith"]["prefill_tok_s"] / result["hf"]["prefill_tok_s"], 2)
+        if "hf-compile" in compare:
+            result["hf_compile"] = speed.bench_hf_generate(model, prompt, new_tokens, repeats, static=True)
+            result["decode_speedup_vs_hf_compile"] = round(
+                result["enginesmith"]["decode_tok_s"] / result["hf_compile"]["decode_tok_s"], 2)
     return result
 
 
+def engine_bound(loaded, tok_s: float, batch: int, context: int) -> dict:
+    """speed.bandwidth_bound for this engine: its graph's weight bytes, its KV shape and dtype at
+    `context` positions, the copy bandwidth of the device it runs on."""
+    m = loaded.manifest["model"]
+    device = getattr(loaded.engine, "device", "cpu")
+    bandwidth = speed.measure_copy_bandwidth()
+    gbs = bandwidth.get("cuda_gbs") if device == "cuda" else bandwidth["cpu_gbs"]
+    kv_bytes = 2 if str(loaded.manifest.get("precision", "fp32")).startswith(("fp16", "bf16")) else 4
+    out = speed.bandwidth_bound(speed.onnx_weight_bytes(loaded.path / loaded.manifest["graph"]), gbs,
+                                layers=m["layers"], kv_heads=m["kv_heads"], head_dim=m["head_dim"],
+                                context=context, batch=batch, kv_bytes=kv_bytes, measured_tok_s=tok_s)
+    return out | {"device": device, "context": context}
+
+
 def format_bench(r: dict) -> str:
-    rows = [("enginesmith", r["enginesmith"])] + ([("hf eager", r["hf"])] if "hf" in r else [])
+    rows = [("enginesmith", r["enginesmith"])] + ([("hf eager", r["hf"])] if "hf" in r else []) + \
+        ([("hf compile", r["hf_compile"])] if "hf_compile" in r else [])
     lines = [f"{r['model']} {r['precision']} batch {r['batch']}, prompt {r['prompt_tokens']}, "
              f"{r['new_tokens']} new tokens on {r['enginesmith']['device_name']}",
              f"{'':12} {'prefill tok/s':>14} {'decode ms/tok':>14} {'decode tok/s':>13} {'peak RSS MiB':>13}"]
     for name, x in rows:
+        rss = x.get("peak_rss_mib")
         lines.append(f"{name:12} {x['prefill_tok_s']:>14.1f} {x['decode_ms_per_token']:>14.2f} "
-                     f"{x['decode_tok_s']:>13.1f} {x['peak_rss_mib']:>13.0f}")
+                     f"{x['decode_tok_s']:>13.1f} {rss if rss is not None else float('nan'):>13.0f}")
     if "hf" in r:
         lines.append(f"speedup vs HF eager: decode {r['decode_speedup_vs_hf']}x, "
                      f"prefill {r['prefill_speedup_vs_hf']}x")
+    if "hf_compile" in r:
+        lines.append(f"speedup vs HF static cache + torch.compile: decode {r['decode_speedup_vs_hf_compile']}x")
+    b = r.get("bound")
+    if b:
+        lines.append(f"bandwidth bound: {b['tok_s_bound']:.1f} tok/s ({b['weight_bytes'] / 1e6:.1f} MB weights + "
+                     f"{b['kv_bytes_per_step'] / 1e6:.1f} MB KV per step at {b['bandwidth_gbs']:.0f} GB/s copy "
+                     f"bandwidth); reached {100 * b['fraction_of_bound']:.1f} %")
     return "\n".join(lines)
 
 

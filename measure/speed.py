@@ -13,6 +13,9 @@ Method (identical for `bench_engine` and `bench_hf`):
   which includes everything the process did before) and current RSS (/proc/self/status VmRSS);
 - threads: bench_hf sets torch.set_num_threads(threads) for the run (default: the CPU count the
   process may use, ORT's own default); build the OrtEngine with the same `threads` to compare.
+An engine with a device decode loop (the ORT CUDA GqaEngine) is timed through that loop instead
+(`bench_device_engine`: decode counted from the first generated token, as HF's generate is in
+`bench_hf_generate`, which also covers the static cache + torch.compile on CUDA).
 All results are plain dicts of JSON-able values. `bandwidth_bound` turns bytes read per decode step
 and a measured copy bandwidth (`measure_copy_bandwidth`) into the tokens/s a memory-bound decoder
 cannot exceed.
@@ -116,6 +119,14 @@ def _check(prompt_tokens: int, new_tokens: int, batch: int, warmup: int, repeats
             raise UserError(f"invalid {name}={value!r}", f"use an integer >= {low}")
 
 
+def _has_device_loop(engine) -> bool:
+    try:
+        from enginesmith.runtime.ort_cuda import GqaEngine
+    except ImportError:
+        return False
+    return isinstance(engine, GqaEngine)
+
+
 def bench_engine(engine, tokenizer=None, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
                  warmup: int = 1, repeats: int = 1, prompt: np.ndarray | None = None) -> dict:
     """Benchmark an Engine (new_cache/forward, e.g. OrtEngine); returns the module doc's figures
@@ -129,12 +140,107 @@ def bench_engine(engine, tokenizer=None, prompt_tokens: int = 128, new_tokens: i
         cache = engine.new_cache(ids.shape[0]) if cache is None else cache
         return engine.forward(ids, mask, pos, cache), cache
 
-    result = {"backend": type(engine).__name__, **_run(step, prompt, new_tokens, warmup, repeats)}
+    if _has_device_loop(engine):
+        result = bench_device_engine(engine, prompt, new_tokens, warmup, repeats)
+    else:
+        result = {"backend": type(engine).__name__, **_run(step, prompt, new_tokens, warmup, repeats)}
     device = getattr(engine, "device", "cpu")
     session = getattr(engine, "session", None)
     threads = session.get_session_options().intra_op_num_threads if session is not None else None
     result.update(device=device, device_name=device_name(device), threads=threads or None, **rss_mib())
     return result
+
+
+def bench_device_engine(engine, prompt: np.ndarray, new_tokens: int, warmup: int = 1, repeats: int = 1) -> dict:
+    """An engine with a device decode loop (runtime.ort_cuda.GqaEngine): greedy through
+    `fast_generate_ids` (fixed IOBinding, CUDA graphs, argmax on the device, one host sync per
+    token), as `enginesmith run` decodes with it. Prefill = prompt to first token; decode tok/s =
+    B * (N - 1) / time from token 1 to token N (the first token comes from the prefill)."""
+    from enginesmith.runtime.generate import GenerationConfig
+    from enginesmith.runtime.ort_cuda import DecodeTimes, fast_generate_ids
+
+    batch, plen = prompt.shape
+    _check(plen, new_tokens, batch, warmup, repeats)
+    if new_tokens < 2:
+        from enginesmith.errors import UserError
+
+        raise UserError("the device decode benchmark needs --new-tokens >= 2", "use more new tokens")
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    prompts = prompt.tolist()
+    decode, prefill = [], []
+    for i in range(warmup + repeats):
+        times = DecodeTimes()
+        n = sum(1 for _ in fast_generate_ids(engine, prompts, config, times=times))
+        if n != new_tokens:
+            raise RuntimeError(f"the device decode loop produced {n} of {new_tokens} tokens")
+        if i >= warmup:
+            decode.append(sum(times.step_s))
+            prefill.append(times.prefill_s)
+    d, steps = statistics.median(decode), new_tokens - 1
+    return {"backend": type(engine).__name__, "batch": batch, "prompt_tokens": plen, "new_tokens": new_tokens,
+            "warmup": warmup, "repeats": repeats, "prefill_s": statistics.median(prefill),
+            "prefill_tok_s": batch * plen / statistics.median(prefill), "decode_s": d,
+            "decode_ms_per_token": 1e3 * d / steps, "decode_tok_s": batch * steps / d,
+            "decode_tok_s_min": batch * steps / max(decode), "decode_tok_s_max": batch * steps / min(decode),
+            "cuda_graph": getattr(engine, "cuda_graph", False)}
+
+
+class _TokenClock:
+    """A generate() streamer that notes when each new token arrives (put gets the prompt first,
+    then each generated token)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        self.times.append(time.perf_counter())
+
+
+def bench_hf_generate(model, prompt: np.ndarray, new_tokens: int, repeats: int = 1, static: bool = False) -> dict:
+    """HF transformers' own `generate` on CUDA (greedy, exactly `new_tokens`): decode tok/s from
+    token 1 to token N. static=True uses its static cache, which generate() compiles with
+    torch.compile (CUDA graphs) on CUDA: the first 3 runs (compilation, graph recording) are
+    untimed. Same prompt and token accounting as bench_device_engine."""
+    import torch
+
+    from enginesmith.errors import UserError
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise UserError("the static-cache + torch.compile comparison runs on CUDA only",
+                        "use --device cuda on a GPU machine, or --compare hf on the CPU")
+    batch, plen = prompt.shape
+    _check(plen, new_tokens, batch, 0, repeats)
+    ids = torch.from_numpy(np.ascontiguousarray(prompt, dtype=np.int64)).to(device)
+    mask = torch.ones_like(ids)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run():
+        clock = _TokenClock()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, streamer=clock, **extra)
+        torch.cuda.synchronize()
+        if out.shape[1] != plen + new_tokens:
+            raise RuntimeError(f"generate returned {out.shape[1] - plen} of {new_tokens} tokens")
+        first = clock.times[1]  # [0]: the prompt, [1]: token 1, ..., [-1]: end
+        return first - start, clock.times[-1] - first
+
+    for _ in range(3 if static else 1):
+        run()
+    runs = [run() for _ in range(repeats)]
+    d, steps = statistics.median(r[1] for r in runs), new_tokens - 1
+    prefill = statistics.median(r[0] for r in runs)
+    return {"backend": "transformers-generate" + ("-static-compile" if static else ""), "batch": batch,
+            "prompt_tokens": plen, "new_tokens": new_tokens, "repeats": repeats, "prefill_s": prefill,
+            "prefill_tok_s": batch * plen / prefill, "decode_s": d, "decode_ms_per_token": 1e3 * d / steps,
+            "decode_tok_s": batch * steps / d, "static_cache": static,
+            "compiled": getattr(model, "_compiled_call", None) is not None,
+            "device": "cuda", "device_name": device_name("cuda"), **rss_mib()}
 
 
 def bench_hf(model, tokenizer=None, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,

@@ -37,6 +37,18 @@ def test_bench_json_reports_both_backends(tiny_engine):
         for key in ("prefill_tok_s", "decode_ms_per_token", "decode_tok_s", "peak_rss_mib"):
             assert r[side][key] > 0, (side, key)
     assert r["decode_speedup_vs_hf"] > 0
+    bound = r["bound"]  # weights + KV per step over the CPU's measured copy bandwidth
+    assert bound["device"] == "cpu" and bound["bandwidth_gbs"] > 0 and bound["weight_bytes"] > 0
+    m = json.loads((tiny_engine("llama") / "build.json").read_text())["model"]
+    assert bound["kv_bytes_per_step"] == m["layers"] * 2 * m["kv_heads"] * m["head_dim"] * (16 + 8 // 2) * 4  # fp32
+    assert bound["fraction_of_bound"] == pytest.approx(r["enginesmith"]["decode_tok_s"] / bound["tok_s_bound"])
+
+
+@pytest.mark.parametrize("compare, word", [("hf-compile", "CUDA only"), ("hf,torch", "unknown --compare torch")])
+def test_bench_compare_bad_input(tiny_engine, compare, word):
+    result = cli("bench", "--engine", str(tiny_engine("llama")), "--new-tokens", "4", "--compare", compare)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert word in result.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("args, word", [
@@ -48,3 +60,29 @@ def test_eval_bad_input(tiny_engine, args, word):
     result = cli("eval", "ppl", "--engine", str(tiny_engine("llama")), *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert word in result.stderr.strip().splitlines()[-1]
+
+
+def test_build_for_cuda_then_bench_its_device_loop(tmp_path):
+    """build --for-cuda writes a GQA-lowered engine (what ORT CUDA's decode loop runs); bench times it
+    through that loop (here on the CPU EP) and reports the bound; run generates with it."""
+    out = tmp_path / "cuda_engine"
+    built = cli("build", "--model", "tiny:llama", "--dtype", "fp16", "--for-cuda", "--out", str(out))
+    assert built.returncode == 0, built.stderr
+    manifest = json.loads((out / "build.json").read_text())
+    assert manifest["kv_layout"]["io"] == "gqa-shared-buffer" and "matmul_transb" in " ".join(manifest["passes"])
+    r = _json(cli("bench", "--engine", str(out), "--device", "cpu", "--prompt-tokens", "8", "--new-tokens", "6",
+                  "--repeats", "1", "--json"))
+    assert r["enginesmith"]["backend"] == "GqaEngine" and r["enginesmith"]["decode_tok_s"] > 0
+    assert r["bound"]["kv_bytes_per_step"] > 0 and 0 < r["bound"]["fraction_of_bound"]
+
+
+@pytest.mark.parametrize("extra, word", [
+    ([], "--dtype fp32"),
+    (["--dtype", "fp16", "--kv", "ring"], "--kv ring"),
+    (["--dtype", "fp16", "--quant", "w8a8-sq"], "--quant w8a8-sq"),
+])
+def test_build_for_cuda_bad_combinations(tmp_path, extra, word):
+    result = cli("build", "--model", "tiny:llama", "--for-cuda", "--out", str(tmp_path / "e"), *extra)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert word in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "e").exists()

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,73 +56,29 @@ def section(name):
 
 # ----------------------------------------------------------------------------- measurements
 
+def _prompt(vocab: int, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, min(vocab - 300, 120000), (batch, prompt_len))
+
+
 def ours(engine, batch: int, prompt_len: int, new_tokens: int, warmup: int, reps: int, seed: int = 0) -> dict:
-    from enginesmith.runtime.generate import GenerationConfig
-    from enginesmith.runtime.ort_cuda import DecodeTimes, fast_generate_ids
+    """measure.speed.bench_device_engine (the decode loop `enginesmith run` uses) on random ids."""
+    from enginesmith.measure.speed import bench_device_engine
 
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(3, min(engine.vocab - 300, 120000), (batch, prompt_len)).tolist()
-    config = GenerationConfig(max_new_tokens=new_tokens)
-    decode, prefill = [], []
-    for i in range(warmup + reps):
-        times = DecodeTimes()
-        n = sum(1 for _ in fast_generate_ids(engine, prompts, config, times=times))
-        assert n == new_tokens, n
-        if i >= warmup:
-            decode.append(sum(times.step_s))
-            prefill.append(times.prefill_s)
-    d = statistics.median(decode)
+    r = bench_device_engine(engine, _prompt(engine.vocab, batch, prompt_len, seed), new_tokens, warmup, reps)
     return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "reps": reps,
-            "decode_tok_s": batch * (new_tokens - 1) / d, "ms_per_step": 1e3 * d / (new_tokens - 1),
-            "decode_tok_s_min": batch * (new_tokens - 1) / max(decode),
-            "decode_tok_s_max": batch * (new_tokens - 1) / min(decode),
-            "ttft_ms": 1e3 * statistics.median(prefill), "cuda_graph": engine.cuda_graph}
-
-
-class _TokenClock:
-    """A generate() streamer that only notes when each new token arrives (put is called with the
-    prompt first, then once per generated token)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        self.times.append(time.perf_counter())
+            "decode_tok_s": r["decode_tok_s"], "ms_per_step": r["decode_ms_per_token"],
+            "decode_tok_s_min": r["decode_tok_s_min"], "decode_tok_s_max": r["decode_tok_s_max"],
+            "ttft_ms": 1e3 * r["prefill_s"], "cuda_graph": r["cuda_graph"]}
 
 
 def hf_generate(model, batch: int, prompt_len: int, new_tokens: int, reps: int, static: bool, seed: int = 0) -> dict:
-    """Decode tok/s of model.generate (greedy, min = max new tokens) from the first generated token to
-    the last; with static=True, HF's static cache, which generate() compiles (torch.compile,
-    CUDA graphs: its default CompileConfig) on CUDA."""
-    import torch
+    """measure.speed.bench_hf_generate (HF generate, eager or static cache + torch.compile)."""
+    from enginesmith.measure.speed import bench_hf_generate
 
-    rng = np.random.default_rng(seed)
-    ids = torch.tensor(rng.integers(3, min(model.config.vocab_size - 3, 120000), (batch, prompt_len)), device="cuda")
-    mask = torch.ones_like(ids)
-    extra = {"cache_implementation": "static"} if static else {}
-
-    def run():
-        clock = _TokenClock()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0, streamer=clock, **extra)
-        torch.cuda.synchronize()
-        assert out.shape[1] == prompt_len + new_tokens
-        first = clock.times[1]  # [0]: the prompt, [1]: token 1, ..., [-1]: end
-        return first - start, clock.times[-1] - first
-
-    for _ in range(3 if static else 1):  # static: compilation and CUDA-graph recording happen here
-        run()
-    runs = [run() for _ in range(reps)]
-    d = statistics.median(r[1] for r in runs)
+    r = bench_hf_generate(model, _prompt(model.config.vocab_size, batch, prompt_len, seed), new_tokens, reps, static)
     return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "reps": reps,
-            "decode_tok_s": batch * (new_tokens - 1) / d, "ms_per_step": 1e3 * d / (new_tokens - 1),
-            "ttft_ms": 1e3 * statistics.median(r[0] for r in runs), "static_cache": static,
-            "compiled": getattr(model, "_compiled_call", None) is not None}
+            "decode_tok_s": r["decode_tok_s"], "ms_per_step": r["decode_ms_per_token"],
+            "ttft_ms": 1e3 * r["prefill_s"], "static_cache": static, "compiled": r["compiled"]}
 
 
 def bound(weight_bytes: int, bandwidth_gbs: float, tok_s: float, batch: int = 1, context: int = 0,

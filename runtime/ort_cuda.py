@@ -308,12 +308,18 @@ class GqaEngine:
         columns) is dropped and the row's real tokens are appended alone; pad columns get 0."""
         batch, seq = input_ids.shape
         real = attention_mask[:, -seq:].astype(bool)
+        # The host copies are queued on the engine's stream, after the run that wrote the logits
+        # (on another stream they could read the reused output buffer before the replay is done).
         if real.all():
-            return self.run_rows(input_ids, cache).float().cpu().numpy()
+            logits = self.run_rows(input_ids, cache)
+            with self._on_stream():
+                return logits.float().cpu().numpy()
         out = np.zeros((batch, seq, self.vocab), dtype=np.float32)
         for row in range(batch):
             if real[row].any():
-                out[row, real[row]] = self.prefill_row(row, input_ids[row, real[row]].tolist(), cache).float().cpu().numpy()
+                logits = self.prefill_row(row, input_ids[row, real[row]].tolist(), cache)
+                with self._on_stream():
+                    out[row, real[row]] = logits.float().cpu().numpy()
         return out
 
     def greedy_forward(self, ids: Sequence[int], cache: SharedKVCache) -> np.ndarray:

@@ -192,3 +192,18 @@ def test_two_stage_argmax_matches_argmax_with_ties(vocab):
     logits[4, vocab - 1] = 9.0
     assert torch.equal(device_argmax(logits), logits.argmax(-1))
     assert torch.equal(device_argmax(logits[:, None, :]), logits[:, None, :].argmax(-1))
+
+
+@pytest.mark.gpu
+@gpu
+def test_engine_interface_on_cuda_matches_the_device_loop(lowered):
+    """generate_ids over GqaEngine.forward (what `enginesmith run` streams with) on CUDA, with the
+    captured decode step, gives the device loop's tokens: the logits are copied to the host only
+    after the step that wrote them (a copy on another stream once read the previous step's)."""
+    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+
+    config = GenerationConfig(max_new_tokens=32)
+    engine = open_gqa_engine(lowered["fp16"][1], device="cuda", max_batch=2).engine
+    fast = [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, config)]
+    plain = [ids.tolist() for ids, _ in generate_ids(engine, PROMPTS, config)]
+    assert plain == fast

@@ -27,6 +27,7 @@ CUDA graphs, two ways (`cuda_graph=`):
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,6 +333,7 @@ class GqaEngine:
 
 # ----------------------------------------------------------------------------- device sampling
 
+@functools.cache
 def _chunks(vocab: int) -> int:
     """Rows for the two-stage argmax: the divisor of `vocab` nearest sqrt(vocab) (1 if none fits)."""
     best = 1

@@ -12,21 +12,19 @@ from enginesmith.errors import UserError
 from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.generate import GenerationConfig, generate_ids
 from enginesmith.runtime.ort_engine import OrtEngine
-from test_kv_paged import make_paged
+from test_kv_paged import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
 
 VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_engine, tmp_path_factory):
+def engines(paged):  # noqa: F811  (the imported fixture)
     """engines(family, page_size) -> (dense OrtEngine, paged OrtEngine)."""
     made: dict = {}
 
     def get(family: str, page_size: int):
         if (family, page_size) not in made:
-            dense = tiny_engine(family) / "model.onnx"
-            out = tmp_path_factory.mktemp(f"batching-{family}") / "model.onnx"
-            make_paged(dense, out, page_size)
+            dense, out, _ = paged(family, page_size)
             made[family, page_size] = (OrtEngine(dense, device="cpu", threads=1),
                                        OrtEngine(out, device="cpu", threads=1))
         return made[family, page_size]
@@ -56,11 +54,11 @@ def run_checked(batcher: ContinuousBatcher) -> list:
 
 @pytest.mark.parametrize("family,page_size", [("llama", 4), ("qwen2", 16)])
 def test_batched_output_equals_each_request_alone(family, page_size, engines):
-    dense, paged = engines(family, page_size)
+    dense, paged_engine = engines(family, page_size)
     rng = np.random.default_rng(0)
     lengths, budgets = (1, 30, 7, 19, 3, 12, 25), (9, 4, 14, 6, 11, 8, 5)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
-    batcher = ContinuousBatcher(paged, num_pages=64, config=SchedulerConfig(max_batch=3, max_tokens=16, chunk=8))
+    batcher = ContinuousBatcher(paged_engine, num_pages=64, config=SchedulerConfig(max_batch=3, max_tokens=16, chunk=8))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     for rid, prompt, budget in zip(ids, prompts, budgets):
@@ -74,13 +72,13 @@ def test_batched_output_equals_each_request_alone(family, page_size, engines):
 
 
 def test_prefix_sharing_and_preemption_keep_outputs_exact(engines):
-    dense, paged = engines("llama", 4)
+    dense, paged_engine = engines("llama", 4)
     rng = np.random.default_rng(1)
     system = rng.integers(0, VOCAB, 13).tolist()             # 3 full pages of 4 shared
     prompts = [system + rng.integers(0, VOCAB, n).tolist() for n in (2, 5, 1, 9)] + [rng.integers(0, VOCAB, 6).tolist()]
     budgets = [12, 10, 14, 9, 12]
     # 12 usable pages of 4 tokens: not enough for everything at once -> preemption (recompute).
-    batcher = ContinuousBatcher(paged, num_pages=13, config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32))
+    batcher = ContinuousBatcher(paged_engine, num_pages=13, config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     requests = [batcher.finished[r] for r in ids]
@@ -91,12 +89,12 @@ def test_prefix_sharing_and_preemption_keep_outputs_exact(engines):
 
 
 def test_stop_tokens_finish_a_request_early(engines):
-    dense, paged = engines("llama", 4)
+    dense, paged_engine = engines("llama", 4)
     prompt = [7, 8, 9, 10, 11]
     reference = alone(dense, prompt, 8)
     stop = reference[3]
     cut = reference.index(stop)
-    batcher = ContinuousBatcher(paged, num_pages=16)
+    batcher = ContinuousBatcher(paged_engine, num_pages=16)
     rid = batcher.add_request(prompt, 8, stop_token_ids=[stop])
     other = batcher.add_request([1, 2, 3], 6)
     run_checked(batcher)
@@ -105,10 +103,10 @@ def test_stop_tokens_finish_a_request_early(engines):
 
 
 def test_bad_requests_and_settings_are_refused(engines):
-    dense, paged = engines("llama", 4)
+    dense, paged_engine = engines("llama", 4)
     with pytest.raises(UserError, match="no paged KV layout"):
         ContinuousBatcher(dense, num_pages=16)
-    batcher = ContinuousBatcher(paged, num_pages=4)
+    batcher = ContinuousBatcher(paged_engine, num_pages=4)
     with pytest.raises(UserError, match="empty prompt"):
         batcher.add_request([], 4)
     with pytest.raises(UserError, match="needs 5 pages; the pool has 3"):

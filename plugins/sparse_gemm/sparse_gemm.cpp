@@ -259,6 +259,18 @@ struct SparseGemm24::Impl {
         return Status::Ok();
     }
 
+    // The plan for M with its buffers bound: what one matmul (run, or tune's search) needs.
+    struct Bound {
+        Plan* plan = nullptr;
+        void const* x = nullptr;
+        void* y = nullptr;
+        void* lt_ws = nullptr;
+    };
+    Status prepare(int64_t m, void const* x, void* y, void* ws, size_t ws_bytes, cudaStream_t stream, Bound* out) {
+        ES_RETURN_IF_ERROR(plan_for(m, &out->plan));
+        return bind(*out->plan, x, y, m, ws, ws_bytes, stream, &out->x, &out->y, &out->lt_ws);
+    }
+
     // Move cuSPARSELt's result into Y [M, N] row-major.
     Status finish(Plan const& p, void const* by, void* y, int64_t m, cudaStream_t stream) const {
         if (kOut == OutOrder::kRowT) {
@@ -355,30 +367,23 @@ Status SparseGemm24::workspace_size(int64_t m, size_t* bytes) {
 
 Status SparseGemm24::run(void const* x, void* y, int64_t m, void* ws, size_t ws_bytes, cudaStream_t stream) {
     if (m <= 0) return Status::Ok();
-    Plan* p = nullptr;
-    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
-    void const* bx = nullptr;
-    void* by = nullptr;
-    void* lt_ws = nullptr;
-    ES_RETURN_IF_ERROR(impl_->bind(*p, x, y, m, ws, ws_bytes, stream, &bx, &by, &lt_ws));
+    Impl::Bound b;
+    ES_RETURN_IF_ERROR(impl_->prepare(m, x, y, ws, ws_bytes, stream, &b));
     const float alpha = 1.f, beta = 0.f;
-    ES_RETURN_IF_LT_ERROR(
-        cusparseLtMatmul(&impl_->handle, &p->plan, &alpha, impl_->compressed, bx, &beta, by, by, lt_ws, &stream, 1));
-    return impl_->finish(*p, by, y, m, stream);
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmul(
+        &impl_->handle, &b.plan->plan, &alpha, impl_->compressed, b.x, &beta, b.y, b.y, b.lt_ws, &stream, 1));
+    return impl_->finish(*b.plan, b.y, y, m, stream);
 }
 
 Status SparseGemm24::tune(void const* x, void* y, int64_t m, void* ws, size_t ws_bytes, cudaStream_t stream) {
     if (m <= 0) return Status::Ok();
-    Plan* p = nullptr;
-    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
-    void const* bx = nullptr;
-    void* by = nullptr;
-    void* lt_ws = nullptr;
-    ES_RETURN_IF_ERROR(impl_->bind(*p, x, y, m, ws, ws_bytes, stream, &bx, &by, &lt_ws));
+    Impl::Bound b;
+    ES_RETURN_IF_ERROR(impl_->prepare(m, x, y, ws, ws_bytes, stream, &b));
+    Plan* p = b.plan;
     const float alpha = 1.f, beta = 0.f;
     std::lock_guard<std::mutex> lock(impl_->mutex);
     ES_RETURN_IF_LT_ERROR(cusparseLtMatmulSearch(
-        &impl_->handle, &p->plan, &alpha, impl_->compressed, bx, &beta, by, by, lt_ws, &stream, 1));
+        &impl_->handle, &p->plan, &alpha, impl_->compressed, b.x, &beta, b.y, b.y, b.lt_ws, &stream, 1));
     size_t after = 0;
     ES_RETURN_IF_LT_ERROR(cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &after));
     if (after > p->lt_workspace) {

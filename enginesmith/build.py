@@ -274,18 +274,21 @@ GQA_IO = "gqa-shared-buffer"
 
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
                    block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, custom_ops: bool | None = None) -> Path:
     """From an engine built by `build`, an engine for runtime.ort_cuda.GqaEngine (ORT CUDA's fast
     decode path): GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
     (skip_rmsnorm), with quant="w4a16" int4 weights as MatMulNBits (the lm_head too with
     quantize_lm_head, after untie_lm_head gives a tied one its own matrix), and the remaining fp16
     MatMuls as FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the
     embedding table instead of a transposed copy ORT would fold at load). build.json records the
-    passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine)."""
+    passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine).
+    custom_ops: the decode GEMVs as enginesmith's ORT custom ops (passes/ort_gemv.py; the engine then
+    needs libenginesmith_ort_ops.so at run time). None: when that library is built; True: required."""
     import shutil
 
     import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
     import enginesmith.passes.matmul_transb  # noqa: F401
+    import enginesmith.passes.ort_gemv  # noqa: F401
     import enginesmith.passes.skip_rmsnorm  # noqa: F401
     import enginesmith.passes.untie_lm_head  # noqa: F401
     from enginesmith.passes import parse_pipeline, run_pipeline
@@ -302,6 +305,12 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     elif quant:
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
     steps += ",matmul_transb"  # remaining fp16 MatMuls on [N, K] weights: a tied lm_head needs no copy
+    from enginesmith.plugins import ort_ops
+
+    if custom_ops:
+        ort_ops.require()
+    if custom_ops or (custom_ops is None and ort_ops.available()):
+        steps += ",ort_gemv"
     with engine_dir.write_atomically(out, overwrite=force) as tmp:
         # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
         report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress,

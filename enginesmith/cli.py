@@ -202,7 +202,9 @@ def _build_for_cuda(args) -> int:
     if out.exists() and not args.force:
         raise UserError(f"{out} already exists", "pass --force to replace it, or choose another --out")
     quant = "w4a16" if args.quant == "w4a16-rtn" else None
-    print(lower_for_cuda(src, out, quant=quant, block_size=args.block_size, force=args.force))
+    custom_ops = {"auto": None, "on": True, "off": False}[args.custom_ops]
+    print(lower_for_cuda(src, out, quant=quant, block_size=args.block_size, force=args.force,
+                         custom_ops=custom_ops))
     return 0
 
 
@@ -419,6 +421,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--for-cuda", action="store_true",
                    help="lower for ONNX Runtime CUDA's decode loop (GroupQueryAttention on one KV buffer, "
                         "CUDA graphs, sampling on the device); fp16/bf16, dense KV, optional --quant w4a16-rtn")
+    p.add_argument("--custom-ops", default="auto", choices=["auto", "on", "off"],
+                   help="with --for-cuda: run the decode GEMVs as enginesmith's ONNX Runtime ops "
+                        "(libenginesmith_ort_ops.so; auto: when it is built)")
     _add_kv_flags(p)
     g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ, ...)")
     g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"],

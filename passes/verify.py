@@ -51,6 +51,9 @@ def _session(path: Path):
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
+    from enginesmith.plugins import ort_ops
+
+    ort_ops.register_for(opts, path)
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 

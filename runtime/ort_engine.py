@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from enginesmith.errors import UserError
+from enginesmith.plugins import ort_ops
 from enginesmith.runtime.kv_dense import DenseKVCache
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
@@ -53,6 +54,7 @@ class OrtEngine:
             if hasattr(ort, "preload_dlls"):
                 ort.preload_dlls()
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        ort_ops.register_for(opts, onnx_path)
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]

@@ -122,10 +122,10 @@ def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int) -
     from enginesmith.runtime.ort_cuda import GqaEngine
 
     out = {}
-    for name in ("fp16", "w4a16", "w4a16lm"):
+    for name in ("fp16", "fp16ops", "w4a16", "w4a16lm", "w4a16lmops"):
         path = graphs / f"llama1b_{name}.onnx"
         if not path.exists():
-            out[name] = {"error": f"{path} not carried"}
+            out[name] = {"error": f"{path} not carried or made"}
             continue
         weights = onnx_weight_bytes(path)
         out[name] = {"weight_bytes": weights}
@@ -159,7 +159,7 @@ def llama1b_again(graphs: Path, bandwidth: float | None, new_tokens: int, reps: 
     from enginesmith.runtime.ort_cuda import GqaEngine
 
     out = {}
-    for name in ("fp16", "w4a16lm"):
+    for name in ("fp16", "fp16ops", "w4a16lm", "w4a16lmops"):
         path = graphs / f"llama1b_{name}.onnx"
         if path.exists():
             engine = GqaEngine(path, device="cuda", max_batch=1, capacity=512, cuda_graph="torch")
@@ -217,6 +217,7 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     fp16 engine (export from the GGUF) and its GQA lowering."""
     from benchmarks.gpu import skeleton
     from enginesmith.build import BuildConfig, build, lower_for_cuda
+    from enginesmith.plugins import ort_ops
 
     out = {}
     for name in ("fp16", "w4a16", "w4a16lm"):
@@ -225,15 +226,36 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
             t = time.time()
             out[f"llama1b_{name}_bytes"] = skeleton.materialize(path)
             out[f"llama1b_{name}_s"] = round(time.time() - t, 1)
+            if name != "w4a16" and ort_ops.available():
+                out[f"llama1b_{name}ops"] = with_ops(path)
     if smol:  # a lowered engine carried in (built where the lowering was checked) is used as is
-        src, low = work / "smollm2_fp16", work / "smollm2_fp16_gqa"
+        src = work / "smollm2_fp16"
         t = time.time()
-        if not (low / "build.json").exists():
-            if not (src / "build.json").exists():
-                build(BuildConfig(dtype="fp16"), src, force=True, progress=False)
-            lower_for_cuda(src, low, capacity=2048, force=True, progress=False)
+        for low, ops in ((work / "smollm2_fp16_gqa", False), (work / "smollm2_fp16_gqa_ops", True)):
+            if ops and not ort_ops.available():
+                continue
+            if not (low / "build.json").exists():
+                if not (src / "build.json").exists():
+                    build(BuildConfig(dtype="fp16"), src, force=True, progress=False)
+                lower_for_cuda(src, low, capacity=2048, force=True, progress=False, custom_ops=ops)
         out["smollm2_build_s"] = round(time.time() - t, 1)
     return out
+
+
+def with_ops(path: Path) -> dict:
+    """<name>ops.onnx beside `path`: the ort_gemv pass (enginesmith's GEMV ops) on its graph. Applied
+    directly, not through run_pipeline: the CPU check of a 1B graph with the ops' reference kernels
+    would take minutes; tests/plugins/test_ort_ops.py checks the pass and the kernels."""
+    import onnx_ir as ir
+
+    from enginesmith.passes.ort_gemv import ort_gemv
+
+    t = time.time()
+    dst = path.with_name(path.stem + "ops.onnx")
+    model = ir.load(str(path))
+    counts = ort_gemv(model).counts
+    ir.save(model, str(dst), external_data=dst.name + ".data")
+    return {"counts": counts, "s": round(time.time() - t, 1)}
 
 
 @section("smollm2")
@@ -242,18 +264,22 @@ def smollm2(work: Path, bandwidth: float | None) -> dict:
     from enginesmith.runtime.ort_cuda import GqaEngine
     from enginesmith.runtime.ort_engine import OrtEngine
 
-    src, low = work / "smollm2_fp16", work / "smollm2_fp16_gqa"
+    src = work / "smollm2_fp16"
     out = {}
-    weights = onnx_weight_bytes(low / "model.onnx")
-    for mode in ("torch", "ort", "none"):
-        engine = GqaEngine(low / "model.onnx", device="cuda", max_batch=1, capacity=1024, cuda_graph=mode)
-        r = ours(engine, 1, 128, 256, warmup=2, reps=5)
-        r["graph_mode"] = engine.graph_mode
-        if bandwidth:
-            r["bound"] = bound(weights, bandwidth, r["decode_tok_s"], 1, 256, 30, 3, 64)
-        out[{"torch": "cuda_graph", "ort": "cuda_graph_ort_capture", "none": "no_cuda_graph"}[mode]] = r
-        del engine
-        _free()
+    for low, suffix in ((work / "smollm2_fp16_gqa", ""), (work / "smollm2_fp16_gqa_ops", "_ops")):
+        if not (low / "model.onnx").exists():
+            continue
+        weights = onnx_weight_bytes(low / "model.onnx")
+        for mode in ("torch", "ort", "none"):
+            engine = GqaEngine(low / "model.onnx", device="cuda", max_batch=1, capacity=1024, cuda_graph=mode)
+            r = ours(engine, 1, 128, 256, warmup=2, reps=5)
+            r["graph_mode"] = engine.graph_mode
+            if bandwidth:
+                r["bound"] = bound(weights, bandwidth, r["decode_tok_s"], 1, 256, 30, 3, 64)
+            key = {"torch": "cuda_graph", "ort": "cuda_graph_ort_capture", "none": "no_cuda_graph"}[mode]
+            out[key + suffix] = r
+            del engine
+            _free()
     if (src / "model.onnx").exists():
         plain = OrtEngine(src / "model.onnx", device="cuda")
         out["plain_ort_cuda_numpy_io"] = bench_engine(plain, prompt_tokens=128, new_tokens=64, warmup=1, repeats=3)
@@ -266,12 +292,18 @@ def smollm2(work: Path, bandwidth: float | None) -> dict:
 def smollm2_ngram(work: Path) -> dict:
     from benchmarks.speculative import bench_ngram
 
-    path = work / "ngram_gpu.json"
-    bench_ngram.main(["--device", "cuda", "--engine", str(work / "smollm2_fp16_gqa"), "--out", str(path)])
-    result = json.loads(path.read_text())
-    return {k: v for k, v in result.items() if k != "rows"} | {"rows": [
-        {k: r[k] for k in ("prompt", "new_tokens", "identical", "speedup", "acceptance_rate", "tokens_per_target_call")}
-        for r in result["rows"]]}
+    out = {}
+    for name in ("smollm2_fp16_gqa", "smollm2_fp16_gqa_ops"):
+        if not (work / name / "model.onnx").exists():
+            continue
+        path = work / f"ngram_gpu_{name}.json"
+        bench_ngram.main(["--device", "cuda", "--engine", str(work / name), "--out", str(path)])
+        result = json.loads(path.read_text())
+        out[name] = {k: v for k, v in result.items() if k != "rows"} | {"rows": [
+            {k: r[k] for k in ("prompt", "new_tokens", "identical", "speedup", "acceptance_rate",
+                               "tokens_per_target_call")}
+            for r in result["rows"]]}
+    return out
 
 
 def _wait_genai_build() -> None:

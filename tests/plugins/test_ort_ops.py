@@ -1,0 +1,214 @@
+"""libenginesmith_ort_ops.so (plugins/ort_ops) and the ort_gemv pass.
+
+CPU (here and in CI): each op's CPU kernel against numpy (and GemvQ4 against ORT's own MatMulNBits on
+the same packed weights), bad inputs, and the pass on tiny engines (greedy output unchanged).
+GPU (marked gpu): the CUDA kernels against the CPU kernels, for decode and prefill-sized calls, and
+a CUDA-graph GQA engine with the ops against the same engine without them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto as T  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
+
+
+def _cuda_ort() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+
+
+gpu = pytest.mark.skipif(not _cuda_ort(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
+
+
+@pytest.fixture(scope="module")
+def ops_lib(plugin_build):
+    path = plugin_build / "libenginesmith_ort_ops.so"
+    assert path.exists(), f"{path} was not built"
+    os.environ["ENGINESMITH_ORT_OPS_LIB"] = str(path)
+    return path
+
+
+def _pack(q: np.ndarray, bs: int) -> np.ndarray:
+    """uint4 values q [N, K] (0..15) -> MatMulNBits' uint8 [N, K/bs, bs/2], low nibble first."""
+    n, k = q.shape
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(n, k // bs, bs // 2)
+
+
+def _weights(rng, n, k, bs):
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float16)
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    s = (rng.random((n, k // bs)) * 0.02 + 0.001).astype(np.float16)
+    deq = (q.astype(np.float32) - 8) * np.repeat(s.astype(np.float32), bs, axis=1)
+    return w, q, s, deq
+
+
+def _model(nodes, inits, x_shape):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT16, x_shape)],
+        [helper.make_tensor_value_info(n.output[0], T.FLOAT16 if n.op_type != "MatMulNBits" else T.FLOAT16, None)
+         for n in nodes],
+        [numpy_helper.from_array(a, name) for name, a in inits.items()])
+    return helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("com.enginesmith", 1), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _ops_graph(rng, m_shape, n, k, bs):
+    w, q, s, deq = _weights(rng, n, k, bs)
+    wu, qu, su, dequ = _weights(rng, n, k, bs)
+    E = "com.enginesmith"
+    q4 = dict(K=k, N=n, block_size=bs)
+    nodes = [helper.make_node("Gemv", ["x", "w"], ["gemv"], domain=E),
+             helper.make_node("SwiGluGemv", ["x", "w", "wu"], ["swiglu"], domain=E),
+             helper.make_node("GemvQ4", ["x", "b", "s"], ["gemv_q4"], domain=E, **q4),
+             helper.make_node("SwiGluGemvQ4", ["x", "b", "s", "bu", "su"], ["swiglu_q4"], domain=E, **q4),
+             helper.make_node("MatMulNBits", ["x", "b", "s"], ["nbits"], domain="com.microsoft", bits=4, **q4)]
+    inits = {"w": w, "wu": wu, "b": _pack(q, bs), "s": s.reshape(-1), "bu": _pack(qu, bs), "su": su.reshape(-1)}
+    refs = dict(w=w.astype(np.float32), wu=wu.astype(np.float32), deq=deq, dequ=dequ)
+    return _model(nodes, inits, list(m_shape) + [k]), refs
+
+
+def _session(model, ops_lib, cuda=False):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.register_custom_ops_library(str(ops_lib))
+    providers = [("CUDAExecutionProvider", {"device_id": 0})] if cuda else ["CPUExecutionProvider"]
+    if cuda and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
+
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+@pytest.mark.parametrize("m_shape", [(1, 1), (1, 3), (2, 6)])
+def test_cpu_kernels_match_numpy_and_matmulnbits(ops_lib, m_shape):
+    rng = np.random.default_rng(0)
+    model, r = _ops_graph(rng, m_shape, n=40, k=128, bs=32)
+    x = rng.standard_normal(m_shape + (128,)).astype(np.float16)
+    gemv, swiglu, gemv_q4, swiglu_q4, nbits = _session(model, ops_lib).run(None, {"x": x})
+    xf = x.astype(np.float32)
+    assert gemv.shape == m_shape + (40,) and gemv.dtype == np.float16
+    np.testing.assert_allclose(gemv, xf @ r["w"].T, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(swiglu, _silu(xf @ r["w"].T) * (xf @ r["wu"].T), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(gemv_q4, xf @ r["deq"].T, rtol=2e-3, atol=2e-2)
+    np.testing.assert_allclose(gemv_q4.astype(np.float32), nbits.astype(np.float32), rtol=2e-3, atol=2e-2)
+    np.testing.assert_allclose(swiglu_q4, _silu(xf @ r["deq"].T) * (xf @ r["dequ"].T), rtol=5e-3, atol=5e-2)
+
+
+def test_bad_inputs_are_named(ops_lib):
+    rng = np.random.default_rng(1)
+    _, q, s, _ = _weights(rng, 16, 64, 32)
+    bad_k = _model([helper.make_node("GemvQ4", ["x", "b", "s"], ["y"], domain="com.enginesmith", K=96, N=16,
+                                     block_size=32)], {"b": _pack(q, 32), "s": s.reshape(-1)}, [1, 64])
+    with pytest.raises(Exception, match="GemvQ4: x has K = 64, the node says 96"):
+        _session(bad_k, ops_lib).run(None, {"x": np.zeros((1, 64), np.float16)})
+    w = np.zeros((16, 48), np.float16)
+    bad_w = _model([helper.make_node("Gemv", ["x", "w"], ["y"], domain="com.enginesmith")], {"w": w}, [1, 64])
+    with pytest.raises(Exception, match=r"weights must be float16 \[N, K\] with K = 64"):
+        _session(bad_w, ops_lib).run(None, {"x": np.zeros((1, 64), np.float16)})
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(ops_lib, tmp_path_factory):
+    """Tiny llama fp16, lowered for the GQA engine with and without the custom ops (fp16, w4a16)."""
+    from enginesmith.build import BuildConfig, cached_engine, lower_for_cuda
+
+    src = cached_engine(BuildConfig(model="tiny:llama", dtype="fp16"), progress=False)
+    out = {}
+    for quant in (None, "w4a16"):
+        for ops in (False, True):
+            out[quant, ops] = lower_for_cuda(
+                src, tmp_path_factory.mktemp("ortgemv") / "engine", capacity=128, quant=quant, block_size=32,
+                quantize_lm_head=quant is not None, custom_ops=ops, progress=False)
+    return out
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6], [11, 12, 13]]
+
+
+def _greedy(engine_dir, device, n=24):
+    from enginesmith.runtime.generate import GenerationConfig
+    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+
+    engine = open_gqa_engine(engine_dir, device=device, max_batch=2).engine
+    return [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, GenerationConfig(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("quant", [None, "w4a16"])
+def test_pass_rewrites_every_linear_and_keeps_greedy_output(tiny_engines, quant):
+    import json
+
+    manifest = json.loads((tiny_engines[quant, True] / "build.json").read_text())
+    counts = manifest["pass_counts"]["ort_gemv"]
+    # tiny llama: 2 layers x (qkv, o, gate, up, down) + lm_head = 11 products, 2 SwiGLUs.
+    assert counts == ({"gemv": 11, "gemv_q4": 0, "swiglu": 2} if quant is None else
+                      {"gemv": 0, "gemv_q4": 11, "swiglu": 2})
+    ops = {n.op_type for n in onnx.load(str(tiny_engines[quant, True] / "model.onnx")).graph.node}
+    assert not ops & {"FusedMatMul", "MatMulNBits", "Sigmoid"}
+    assert _greedy(tiny_engines[quant, True], "cpu") == _greedy(tiny_engines[quant, False], "cpu")
+
+
+def test_engine_without_the_library_names_it(tiny_engines, monkeypatch, tmp_path):
+    from enginesmith.errors import UserError
+    from enginesmith.runtime.ort_cuda import open_gqa_engine
+
+    monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(tmp_path / "missing.so"))
+    with pytest.raises(UserError, match="ops library is not built"):
+        open_gqa_engine(tiny_engines[None, True], device="cpu")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 20])
+@pytest.mark.parametrize("n,k,bs", [(2048, 2048, 128), (1000, 512, 32), (3072, 8192, 64)])
+def test_cuda_kernels_match_cpu_kernels(ops_lib, m, n, k, bs):
+    rng = np.random.default_rng(m)
+    model, _ = _ops_graph(rng, (1, m), n=n, k=k, bs=bs)
+    x = rng.standard_normal((1, m, k)).astype(np.float16)
+    want = _session(model, ops_lib).run(None, {"x": x})
+    got = _session(model, ops_lib, cuda=True).run(None, {"x": x})
+    for name, a, b in zip(("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits"), got, want):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+
+
+def _teacher_forced_logits(engine_dir, device, prompt, follow):
+    """Logits of a prefill of `prompt`, then of one decode step per token of `follow` (fp32, host)."""
+    from enginesmith.runtime.ort_cuda import open_gqa_engine
+
+    engine = open_gqa_engine(engine_dir, device=device).engine
+    cache = engine.new_cache(1)
+    ids = np.array([prompt])
+    out = [engine.forward(ids, np.ones_like(ids), None, cache)[0]]
+    for t in follow:
+        out.append(engine.forward(np.array([[t]]), np.ones((1, 1), np.int64), None, cache)[0])
+    return np.concatenate(out)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "w4a16"])
+@pytest.mark.parametrize("prompt_len", [7, 21])  # a captured step (M = 7) / a plain prefill run (M = 21)
+def test_cuda_graph_engine_with_ops_matches_without(tiny_engines, quant, prompt_len):
+    """Decode through CUDA graphs (the ops on ORT's stream, captured and replayed) gives the plain
+    engine's logits, teacher-forced on the same tokens."""
+    rng = np.random.default_rng(prompt_len)
+    prompt = rng.integers(3, 200, prompt_len).tolist()
+    follow = rng.integers(3, 200, 30).tolist()
+    want = _teacher_forced_logits(tiny_engines[quant, False], "cuda", prompt, follow)
+    got = _teacher_forced_logits(tiny_engines[quant, True], "cuda", prompt, follow)
+    assert got.shape == want.shape == (prompt_len + 30, want.shape[-1])
+    scale = float(np.abs(want).max())
+    assert np.abs(got - want).max() <= 2e-2 * scale, (float(np.abs(got - want).max()), scale)

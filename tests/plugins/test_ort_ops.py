@@ -9,6 +9,7 @@ a CUDA-graph GQA engine with the ops against the same engine without them.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,8 +32,13 @@ gpu = pytest.mark.skipif(not _cuda_ort(), reason="needs onnxruntime-gpu and a CU
 
 
 @pytest.fixture(scope="module")
-def ops_lib(plugin_build):
-    path = plugin_build / "libenginesmith_ort_ops.so"
+def ops_lib(request):
+    """The library: $ENGINESMITH_ORT_OPS_LIB if it names a built one (the GPU machine), else the
+    session's plugin build."""
+    env = os.environ.get("ENGINESMITH_ORT_OPS_LIB")
+    if env and Path(env).is_file():
+        return Path(env)
+    path = request.getfixturevalue("plugin_build") / "libenginesmith_ort_ops.so"
     assert path.exists(), f"{path} was not built"
     os.environ["ENGINESMITH_ORT_OPS_LIB"] = str(path)
     return path

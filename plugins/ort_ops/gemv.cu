@@ -2,7 +2,7 @@
 //
 // Work split: a warp owns ROWS output rows (of NW weight matrices) and walks K in 16-byte weight
 // loads, lane-interleaved so a warp reads 512 contiguous bytes per row per step; U steps are issued
-// before any is consumed, so each thread keeps U * NW * ROWS loads in flight. x (M <= 8 rows) is
+// before any is consumed, so each thread keeps U * NW * ROWS loads in flight. x (M <= kGemvMaxRows rows) is
 // read through the read-only cache. Partial sums are fp32 (int4: 8-element fp16 partials of
 // scale-applied products, flushed to fp32); a warp reduction finishes each output.
 #include "gemv.h"
@@ -206,8 +206,7 @@ template <bool Q4>
 cudaError_t launch_chunk(const GemvProblem& p, int m0, int m_count, cudaStream_t stream) {
   if (m_count == 1) return launch_m<1, Q4>(p, m0, m_count, stream);
   if (m_count == 2) return launch_m<2, Q4>(p, m0, m_count, stream);
-  if (m_count <= 4) return launch_m<4, Q4>(p, m0, m_count, stream);
-  return launch_m<8, Q4>(p, m0, m_count, stream);
+  return launch_m<4, Q4>(p, m0, m_count, stream);
 }
 
 float half_to_float(uint16_t h) {
@@ -281,6 +280,30 @@ void gemv_reference(const GemvProblem& p) {
       memcpy(&y[size_t(m) * p.N + n], &h, 2);
     }
   }
+}
+
+__global__ void dequant_q4_kernel(const uint32_t* packed, const __half* scales, uint4* w, size_t words, int K,
+                                  int block_size) {
+  // one 32-bit word = 8 consecutive values of a row (K is a multiple of block_size >= 32, so a word
+  // never straddles two rows or two blocks)
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t first = i * 8, n = first / K;
+    const int k = int(first % K);
+    const __half s = scales[n * (K / block_size) + k / block_size];
+    __half v[8];
+    for (int j = 0; j < 8; ++j)
+      v[j] = __float2half_rn(float(int((packed[i] >> (4 * j)) & 0xF) - 8) * __half2float(s));
+    memcpy(&w[i], v, 16);
+  }
+}
+
+cudaError_t dequant_q4(const void* packed, const __half* scales, __half* w, int N, int K, int block_size,
+                       cudaStream_t stream) {
+  const size_t words = size_t(N) * K / 8;
+  const int blocks = int(std::min<size_t>((words + 255) / 256, 8192));
+  dequant_q4_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint32_t*>(packed), scales,
+                                                 reinterpret_cast<uint4*>(w), words, K, block_size);
+  return cudaGetLastError();
 }
 
 __global__ void swiglu_combine_kernel(__half* gate_out, const __half* up, size_t count) {

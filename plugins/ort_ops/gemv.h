@@ -24,7 +24,7 @@ struct GemvProblem {
 };
 
 // Largest M one launch reads the weights once for; larger M runs in chunks of this many rows.
-constexpr int kGemvMaxRows = 8;
+constexpr int kGemvMaxRows = 4;
 
 // Empty string when the problem is valid for the kernels, else what is wrong.
 const char* gemv_check(const GemvProblem& p);
@@ -34,6 +34,10 @@ cudaError_t gemv_launch(const GemvProblem& p, cudaStream_t stream);
 
 // gate_out[i] = silu(gate_out[i]) * up[i]: the SwiGLU epilogue for calls that ran two GEMMs.
 cudaError_t swiglu_combine(__half* gate_out, const __half* up, size_t count, cudaStream_t stream);
+
+// w[N, K] fp16 = the int4 weights of MatMulNBits' layout, dequantized (for calls that run a GEMM).
+cudaError_t dequant_q4(const void* packed, const __half* scales, __half* w, int N, int K, int block_size,
+                       cudaStream_t stream);
 
 // CPU reference with the same semantics (fp32 accumulation), for the CPU EP and for tests.
 void gemv_reference(const GemvProblem& p);

@@ -26,6 +26,7 @@ DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
 ALL_ARCHS = "80-real;86-real;87-real;89-real;90"
 
 FLOAT16, BFLOAT16 = 0, 1  # enginesmith::DType
+ABI_VERSION = 2  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
 
 
 class KernelError(RuntimeError):
@@ -97,7 +98,8 @@ def lib() -> ctypes.CDLL:
         "es_paged_attention_limits": (I, [P, P, P, P, P, P]),
         "es_paged_attention_check": (I, [I, I, I, I, I, I]),
         "es_paged_attention_plan": (I, [I] * 9 + [P, P]),
-        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P]),
+        "es_paged_attention_counters": (I, [I, I, I, I]),
+        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P, I, I, I, P]),
         "es_write_kv": (I, [P] * 6 + [I] * 6 + [P]),
         "es_sparse_available": (I, []),
         "es_check_24_host": (I, [P, I64, I64]),
@@ -110,6 +112,9 @@ def lib() -> ctypes.CDLL:
         "es_sparse_gemm_tune": (I, [P, P, P, I64, P, SZ, P]),
         "es_sparse_gemm_destroy": (None, [P]),
     }
+    if L.es_abi_version() != ABI_VERSION:
+        raise KernelError(f"{path} has C API version {L.es_abi_version()}, this binding needs {ABI_VERSION}: "
+                          "rebuild plugins/ (plugins/README.md)")
     for name, (res, argtypes) in sig.items():
         fn = getattr(L, name)
         fn.restype = res
@@ -168,20 +173,37 @@ def paged_attention_plan(batch, query_len, num_heads, num_kv_heads, head_size, b
     return splits.value, ws.value
 
 
-class PagedAttention:
-    """Preallocates the workspace and error flag once; call like a function (benchmarks reuse it)."""
+# How split-K partials are merged (pa::ReduceMode): "auto" ($ES_PAGED_ATTENTION_REDUCE, default
+# single), "single" (the last block of each (sequence, KV head) merges: one kernel), "two" (a
+# separate reduce kernel, the earlier path).
+REDUCE_MODES = {"auto": 0, "single": 1, "two": 2}
 
-    def __init__(self, query, k_cache, v_cache, block_tables, num_splits: int = 0, scale: float = 0.0):
+
+class PagedAttention:
+    """Preallocates the workspace, the split counters (zeroed once here; every call leaves them zero)
+    and the error flag once; call like a function (benchmarks reuse it, also inside CUDA graphs).
+
+    dependent_launch: None = the launcher's choice (on for the single-kernel reduce on sm_90), or a
+    bool: launch the attention kernel as a programmatic dependent of the previous kernel."""
+
+    def __init__(self, query, k_cache, v_cache, block_tables, num_splits: int = 0, scale: float = 0.0,
+                 reduce: str = "auto", dependent_launch: bool | None = None):
         import torch
 
         B, Sq, H, D = query.shape
         NB, BS, Hkv, D2 = k_cache.shape
         assert D2 == D and v_cache.shape == k_cache.shape, "k_cache/v_cache must be [NB, BS, Hkv, D]"
+        if reduce not in REDUCE_MODES:
+            raise KernelError(f"reduce must be one of {sorted(REDUCE_MODES)}, got {reduce!r}")
         self.shape = (B, Sq, H, Hkv, D, BS, NB, block_tables.shape[1])
         self.dtype = _torch_dtype_code(query)
         self.splits, ws = paged_attention_plan(B, Sq, H, Hkv, D, BS, block_tables.shape[1], num_splits, self.dtype)
         self.workspace = torch.empty(max(ws, 16), dtype=torch.uint8, device=query.device)
         self.ws_bytes = ws
+        self.num_counters = lib().es_paged_attention_counters(B, Sq, H, Hkv)
+        self.counters = torch.zeros(max(self.num_counters, 1), dtype=torch.int32, device=query.device)
+        self.reduce = REDUCE_MODES[reduce]
+        self.dependent_launch = -1 if dependent_launch is None else int(bool(dependent_launch))
         self.error_flag = torch.zeros(1, dtype=torch.int32, device=query.device)
         self.scale = scale
 
@@ -197,13 +219,15 @@ class PagedAttention:
         _check(lib().es_paged_attention(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), self.workspace.data_ptr(), self.ws_bytes,
-            self.error_flag.data_ptr(), B, Sq, H, Hkv, D, BS, NB, MB, self.splits, self.scale, self.dtype, _stream()))
+            self.error_flag.data_ptr(), B, Sq, H, Hkv, D, BS, NB, MB, self.splits, self.scale, self.dtype,
+            self.counters.data_ptr(), self.num_counters, self.reduce, self.dependent_launch, _stream()))
         return out
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, context_lens, num_splits: int = 0, scale: float = 0.0):
+def paged_attention(query, k_cache, v_cache, block_tables, context_lens, num_splits: int = 0, scale: float = 0.0,
+                    reduce: str = "auto", dependent_launch: bool | None = None):
     """out [B, Sq, H, D] (see paged_attention.h). Returns (out, error_flag int)."""
-    op = PagedAttention(query, k_cache, v_cache, block_tables, num_splits, scale)
+    op = PagedAttention(query, k_cache, v_cache, block_tables, num_splits, scale, reduce, dependent_launch)
     out = op(query, k_cache, v_cache, block_tables, context_lens)
     return out, int(op.error_flag.item())
 

@@ -1,6 +1,7 @@
 """Benchmark the plugin kernels on a GPU (through the ctypes binding, no TensorRT) and write JSON.
 
   python benchmarks/plugins/bench_plugins.py --out results.json [--quick] [--skip-sparse] [--skip-attention]
+      [--reduce single,two] [--contexts 1024,8192] [--batches 1,4] [--sweep-splits [--split-counts 0,16,33]]
 
 Paged attention (decode and short multi-token queries): time, max error against torch SDPA on the
 same keys/values laid out contiguously, effective bandwidth (KV bytes read / time) as a % of the
@@ -9,6 +10,12 @@ Sparse GEMM (2:4, fp16): Y = X·Wᵀ for K, N in {2048, 4096, 8192, 14336}, M in
 dense torch.matmul vs ours (cuSPARSELt, default and tuned algorithm) vs torch's
 to_sparse_semi_structured; the per-shape profitability table goes into the same JSON.
 Every figure names the device it was measured on.
+
+--reduce compares how split-K partials are merged, in one run: `single` (the last block of each
+(sequence, KV head) merges them; one kernel, itself a programmatic dependent launch on sm_90),
+`two` (a separate reduce kernel, the earlier path), `single-nopdl` (last block, plain launch),
+`two-pdl` (reduce kernel, attention kernel as a dependent launch), `auto` (the launcher's default).
+Each attention row names its mode (`reduce`); `reduce_comparison` lines the modes up per shape.
 """
 
 from __future__ import annotations
@@ -107,7 +114,32 @@ def read_bandwidth() -> float:
     return n * 2 / (ms * 1e-3)
 
 
-def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, dtype=torch.float16):
+# --reduce mode -> (kernels.PagedAttention reduce, dependent_launch)
+REDUCE_VARIANTS = {
+    "auto": ("auto", None),
+    "single": ("single", None),
+    "two": ("two", None),
+    "single-nopdl": ("single", False),
+    "two-pdl": ("two", True),
+}
+
+
+def time_modes(make_op, run, modes, rounds: int = 2):
+    """{mode: ms}: per mode the best of `rounds` median graph-replay times, the modes interleaved so
+    that drift on a shared machine hits them alike; and {mode: op}."""
+    ops = {}
+    for m in modes:
+        reduce, pdl = REDUCE_VARIANTS[m]
+        ops[m] = make_op(reduce, pdl)
+    times = {m: float("inf") for m in modes}
+    for _ in range(rounds):
+        for m in modes:
+            op = ops[m]
+            times[m] = min(times[m], cuda_time_ms(lambda: run(op, m)))
+    return times, ops
+
+
+def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, dtype=torch.float16, modes=("auto",)):
     H, Hkv, D = shape
     rows = []
     for ctx_len in contexts:
@@ -124,9 +156,11 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
                 tables = torch.randperm(nb, generator=g).to(torch.int32).view(B, pages).cuda()
                 ctx = torch.full((B,), ctx_len, dtype=torch.int32, device="cuda")
                 q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype)
-                op = kernels.PagedAttention(q, k_cache, v_cache, tables)
-                out = torch.empty_like(q)
-                ms = cuda_time_ms(lambda: op(q, k_cache, v_cache, tables, ctx, out))
+                outs = {m: torch.empty_like(q) for m in modes}
+                times, ops = time_modes(
+                    lambda reduce, pdl: kernels.PagedAttention(q, k_cache, v_cache, tables, reduce=reduce,
+                                                               dependent_launch=pdl),
+                    lambda op, m: op(q, k_cache, v_cache, tables, ctx, outs[m]), modes)
                 # Same keys/values, contiguous [B, Hkv, ctx, D], for SDPA (GQA without copying heads).
                 kc = k_cache[tables.long()].reshape(B, pages * block_size, Hkv, D)[:, :ctx_len].transpose(1, 2).contiguous()
                 vc = v_cache[tables.long()].reshape(B, pages * block_size, Hkv, D)[:, :ctx_len].transpose(1, 2).contiguous()
@@ -142,28 +176,48 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
                     return F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, enable_gqa=True)
 
                 ref = sdpa().transpose(1, 2)
-                err = (out.float() - ref.float()).abs().max().item()
                 sdpa_ms = cuda_time_ms(sdpa)
-                rows.append({
-                    "H": H, "Hkv": Hkv, "D": D, "block_size": block_size, "dtype": str(dtype).split(".")[-1],
-                    "batch": B, "context": ctx_len, "query_len": Sq, "splits": op.splits,
-                    "ms": round(ms, 5), "kv_bytes": kv_bytes,
-                    "bandwidth_GBps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
-                    "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1),
-                    "max_err_vs_sdpa": err,
-                    "sdpa_ms": round(sdpa_ms, 5),
-                    "sdpa_pct_of_copy_bw": round(100 * kv_bytes / (sdpa_ms * 1e-3) / copy_bw, 1),
-                    "speedup_vs_sdpa": round(sdpa_ms / ms, 2),
-                })
-                print(json.dumps(rows[-1]), flush=True)
-                del k_cache, v_cache, kc, vc, op, out, ref
+                for m in modes:
+                    ms = times[m]
+                    rows.append({
+                        "H": H, "Hkv": Hkv, "D": D, "block_size": block_size, "dtype": str(dtype).split(".")[-1],
+                        "batch": B, "context": ctx_len, "query_len": Sq, "splits": ops[m].splits, "reduce": m,
+                        "ms": round(ms, 5), "kv_bytes": kv_bytes,
+                        "bandwidth_GBps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
+                        "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1),
+                        "max_err_vs_sdpa": (outs[m].float() - ref.float()).abs().max().item(),
+                        "max_diff_vs_first_mode": (outs[m].float() - outs[modes[0]].float()).abs().max().item(),
+                        "sdpa_ms": round(sdpa_ms, 5),
+                        "sdpa_pct_of_copy_bw": round(100 * kv_bytes / (sdpa_ms * 1e-3) / copy_bw, 1),
+                        "speedup_vs_sdpa": round(sdpa_ms / ms, 2),
+                    })
+                    print(json.dumps(rows[-1]), flush=True)
+                del k_cache, v_cache, kc, vc, ops, outs, ref
                 torch.cuda.empty_cache()
     return rows
 
 
-def sweep_splits(contexts, split_counts, copy_bw, shape=(32, 8, 128), block_size=16, dtype=torch.float16):
-    """Batch-1 decode time per forced split count (0 = the launcher's own choice): where the
-    fixed cost (launch, pipeline fill, the reduce) meets the streaming time."""
+def reduce_comparison(rows):
+    """One line per shape: each --reduce mode's time and % of copy bandwidth side by side."""
+    key = ("H", "Hkv", "D", "block_size", "dtype", "batch", "context", "query_len")
+    table = {}
+    for r in rows:
+        line = table.setdefault(tuple(r[k] for k in key), {k: r[k] for k in key})
+        line[f"ms_{r['reduce']}"] = r["ms"]
+        line[f"pct_{r['reduce']}"] = r["pct_of_copy_bw"]
+        line[f"splits_{r['reduce']}"] = r["splits"]
+        line["sdpa_ms"] = r["sdpa_ms"]
+    lines = list(table.values())
+    for line in lines:
+        if "ms_single" in line and "ms_two" in line:
+            line["speedup_single_vs_two"] = round(line["ms_two"] / line["ms_single"], 3)
+    return lines
+
+
+def sweep_splits(contexts, split_counts, copy_bw, shape=(32, 8, 128), block_size=16, dtype=torch.float16,
+                 modes=("auto",)):
+    """Batch-1 decode time per forced split count (0 = the launcher's own choice) and --reduce mode:
+    where the fixed cost (launch, pipeline fill, the split merge) meets the streaming time."""
     H, Hkv, D = shape
     rows = []
     for ctx_len in contexts:
@@ -174,13 +228,17 @@ def sweep_splits(contexts, split_counts, copy_bw, shape=(32, 8, 128), block_size
         ctx = torch.full((1,), ctx_len, dtype=torch.int32, device="cuda")
         q = torch.randn(1, 1, H, D, device="cuda", dtype=dtype)
         kv_bytes = 2 * ctx_len * Hkv * D * 2
+        out = torch.empty_like(q)
         for splits in split_counts:
-            op = kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits=splits)
-            out = torch.empty_like(q)
-            ms = cuda_time_ms(lambda: op(q, k_cache, v_cache, tables, ctx, out))
-            rows.append({"context": ctx_len, "requested_splits": splits, "splits": op.splits, "ms": round(ms, 5),
-                         "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1)})
-            print(json.dumps(rows[-1]), flush=True)
+            times, ops = time_modes(
+                lambda reduce, pdl: kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits=splits,
+                                                           reduce=reduce, dependent_launch=pdl),
+                lambda op, m: op(q, k_cache, v_cache, tables, ctx, out), modes)
+            for m in modes:
+                ms = times[m]
+                rows.append({"context": ctx_len, "requested_splits": splits, "splits": ops[m].splits, "reduce": m,
+                             "ms": round(ms, 5), "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1)})
+                print(json.dumps(rows[-1]), flush=True)
         del k_cache, v_cache
         torch.cuda.empty_cache()
     return rows
@@ -284,6 +342,13 @@ def main() -> None:
     ap.add_argument("--skip-sparse", action="store_true")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--sweep-splits", action="store_true", help="attention: batch-1 time per forced split count")
+    ap.add_argument("--split-counts", default="0,8,16,24,33,48,66,99,132",
+                    help="--sweep-splits: split counts to force (0 = the launcher's choice)")
+    ap.add_argument("--reduce", default="auto",
+                    help="attention: comma-separated split-merge modes to time side by side: "
+                         + ", ".join(REDUCE_VARIANTS) + " (see the module doc)")
+    ap.add_argument("--contexts", help="decode grid: comma-separated context lengths (default 1k-32k)")
+    ap.add_argument("--batches", help="decode grid: comma-separated batch sizes (default 1,4,16,64)")
     ap.add_argument("--tune", action="store_true",
                     help="also time cuSPARSELt's algorithm search (it failed and broke the CUDA context on an H200)")
     ap.add_argument("--probe", choices=["torch", "tune"], help=argparse.SUPPRESS)
@@ -293,8 +358,15 @@ def main() -> None:
         run_probe(args.probe, args.probe_m)
         return
 
+    modes = tuple(m.strip() for m in args.reduce.split(",") if m.strip())
+    bad = [m for m in modes if m not in REDUCE_VARIANTS]
+    if bad or not modes:
+        ap.error(f"--reduce: unknown mode(s) {bad}; choose from {', '.join(REDUCE_VARIANTS)}")
+
     props = torch.cuda.get_device_properties(0)
     result = {
+        "reduce_modes": list(modes),
+        "ES_PAGED_ATTENTION_REDUCE": os.environ.get("ES_PAGED_ATTENTION_REDUCE"),
         "sparse_layout": os.environ.get("ES_SPARSE_LAYOUT", "row"),
         "kernels_lib": str(kernels.library_path()),
         "command": " ".join(sys.argv),
@@ -308,21 +380,32 @@ def main() -> None:
     print(f"device {props.name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
 
     if args.sweep_splits:
-        result["split_sweep"] = sweep_splits([1024, 8192, 16384, 32768], [0, 8, 16, 24, 33, 48, 66, 99, 132], copy_bw)
+        counts = [int(x) for x in args.split_counts.split(",")]
+        result["split_sweep"] = sweep_splits([1024, 8192, 16384, 32768], counts, copy_bw, modes=modes)
     if not args.skip_attention:
         contexts = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
         batches = [1, 16] if args.quick else [1, 4, 16, 64]
-        rows = bench_attention((32, 8, 128), contexts, batches, [1], 16, copy_bw)
+        if args.contexts:
+            contexts = [int(x) for x in args.contexts.split(",")]
+        if args.batches:
+            batches = [int(x) for x in args.batches.split(",")]
+        rows = bench_attention((32, 8, 128), contexts, batches, [1], 16, copy_bw, modes=modes)
         if not args.quick and not args.decode_only:
-            rows += bench_attention((32, 8, 128), [1024, 8192, 32768], [1, 16], [4, 16], 16, copy_bw)
-            rows += bench_attention((32, 8, 128), [8192, 32768], [1, 16], [1], 64, copy_bw)
-            rows += bench_attention((9, 3, 64), [1024, 8192, 32768], [1, 16, 64], [1], 16, copy_bw)
+            rows += bench_attention((32, 8, 128), [1024, 8192, 32768], [1, 16], [4, 16], 16, copy_bw, modes=modes)
+            rows += bench_attention((32, 8, 128), [8192, 32768], [1, 16], [1], 64, copy_bw, modes=modes)
+            rows += bench_attention((9, 3, 64), [1024, 8192, 32768], [1, 16, 64], [1], 16, copy_bw, modes=modes)
         result["paged_attention"] = rows
+        result["reduce_comparison"] = reduce_comparison(rows)
     if not args.skip_sparse:
         sizes = [2048, 8192] if args.quick else [2048, 4096, 8192, 14336]
         rows = bench_sparse(sizes, [1, 16, 256, 2048], tune=args.tune)
         result["sparse_gemm"] = rows
         result["sparse_profitability"] = profitability.table_from_benchmark(rows, props.name)
+    for line in result.get("reduce_comparison", []):
+        if len(modes) > 1:  # a compact side-by-side table at the end of the log
+            print("B={batch} ctx={context} Sq={query_len} D={D} BS={block_size}: ".format(**line) + "  ".join(
+                f"{m} {line[f'ms_{m}'] * 1e3:.1f}us {line[f'pct_{m}']}%" for m in modes) +
+                f"  sdpa {line['sdpa_ms'] * 1e3:.1f}us", flush=True)
     result["seconds"] = round(time.time() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

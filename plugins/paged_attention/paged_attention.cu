@@ -1,6 +1,8 @@
 // Paged attention: launcher and dispatch table (layers 2 and 3). Kernels: paged_attention_kernels.cuh.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "paged_attention.h"
@@ -147,6 +149,19 @@ size_t workspace_size(int batch, int query_len, int num_heads, int head_size, in
     return align_up(rows * head_size * sizeof(float), 256) + align_up(rows * sizeof(float), 256);
 }
 
+int split_counters_needed(int batch, int query_len, int num_heads, int num_kv_heads) {
+    if (batch <= 0 || num_kv_heads <= 0 || num_heads <= 0) return 0;
+    return batch * num_kv_heads * ceil_div(num_heads / num_kv_heads * query_len, kRowsPerCta);
+}
+
+ReduceMode default_reduce_mode() {
+    static ReduceMode const mode = [] {
+        char const* env = std::getenv("ES_PAGED_ATTENTION_REDUCE");
+        return env != nullptr && std::strcmp(env, "two") == 0 ? ReduceMode::kSeparateKernel : ReduceMode::kLastBlock;
+    }();
+    return mode;
+}
+
 size_t workspace_bound(int max_batch, int max_query_len, int num_heads, int num_kv_heads, int head_size,
     int block_size, int max_blocks_per_seq, int max_splits) {
     size_t bound = 0;
@@ -187,13 +202,42 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     }
     p.num_splits = splits;
 
+    // Who merges the splits: the last block (counters given) or the reduce kernel.
+    ReduceMode mode = p.reduce;
+    if (mode == ReduceMode::kAuto)
+        mode = p.split_counters != nullptr ? default_reduce_mode() : ReduceMode::kSeparateKernel;
+    if (mode != ReduceMode::kLastBlock && mode != ReduceMode::kSeparateKernel)
+        return Status::Error("paged attention: unknown reduce mode " + std::to_string(static_cast<int>(mode)));
+    const bool last_block = mode == ReduceMode::kLastBlock;
+    if (last_block && splits > 1) {
+        const int need_counters = split_counters_needed(p.batch, p.query_len, p.num_heads, p.num_kv_heads);
+        if (p.split_counters == nullptr || p.num_split_counters < need_counters)
+            return Status::Error("paged attention: the last-block reduce needs " + std::to_string(need_counters) +
+                                 " zeroed int32 split counters, " + std::to_string(p.num_split_counters) + " given");
+    }
+    if (!last_block || splits == 1) p.split_counters = nullptr;  // the kernel reads this as the mode
+
     const int group = p.num_heads / p.num_kv_heads;
     const int row_blocks = ceil_div(group * p.query_len, kRowsPerCta);
     const dim3 grid(splits, p.num_kv_heads * row_blocks, p.batch);
     if (grid.y > 65535 || grid.z > 65535) return Status::Error("paged attention: batch or heads exceed the grid limit");
-    e->kernel<<<grid, detail::kThreads, e->smem, stream>>>(p, row_blocks);
-    ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    if (splits > 1) {
+    {
+        // sm_90+: optionally a programmatic dependent of the previous kernel in the stream (the kernel
+        // waits on griddepcontrol before its first global read), hiding most of the launch gap.
+        const bool pdl = dependent_launch_supported() && (p.dependent_launch < 0 ? last_block : p.dependent_launch != 0);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = grid;
+        config.blockDim = dim3(detail::kThreads);
+        config.dynamicSmemBytes = e->smem;
+        config.stream = stream;
+        config.attrs = attr;
+        config.numAttrs = pdl ? 1 : 0;
+        ES_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, e->kernel, p, row_blocks));
+    }
+    if (splits > 1 && !last_block) {
         // On sm_90+ the reduce is a programmatic dependent launch: its blocks are scheduled while the
         // split kernel drains and wait (griddepcontrol.wait) for its results, hiding one launch gap.
         const int rows = p.batch * p.query_len * p.num_heads;

@@ -18,8 +18,15 @@
 //
 // Long contexts are split across thread blocks (flash-decoding): each of num_splits blocks of a
 // (sequence, KV head) reads its own range of the cache once and writes a partial output and its
-// log-sum-exp to the workspace; a reduction kernel merges them. One block serves all G query heads of
-// its KV head and all Sq query tokens (rows = G*Sq, 16 per block), so each KV byte is read once.
+// log-sum-exp to the workspace. One block serves all G query heads of its KV head and all Sq query
+// tokens (rows = G*Sq, 16 per block), so each KV byte is read once. The partials are merged either
+//   * by the last block to finish (ReduceMode::kLastBlock, one kernel): every block of a (sequence,
+//     KV head, row block) bumps an int32 counter after writing its partial (threadfence + atomicAdd);
+//     the one that sees num_splits - 1 merges all splits in split order (so the result does not
+//     depend on which block came last) and resets the counter to 0. The counters are persistent:
+//     the caller zeroes them once (before the first call) and every call leaves them zero, so CUDA
+//     graph replays need no memset. They must not be shared by two launches in flight at once.
+//   * or by a second reduce kernel (ReduceMode::kSeparateKernel, the earlier path; no counters).
 //
 // Bad data on the device (a page index outside [0, NB), a context length outside [Sq, MB*BS], a slot
 // outside the pool) cannot be reported synchronously: the kernels write NaN to the affected outputs
@@ -50,6 +57,10 @@ constexpr int32_t kErrorBlockTable = 1;     // a page index outside [0, NB)
 constexpr int32_t kErrorContextLen = 2;     // context_lens[b] outside [Sq, MB * BS]
 constexpr int32_t kErrorSlotMapping = 4;    // a slot outside [0, NB * BS) (and not -1)
 
+// How split partials are merged (see above). kAuto: $ES_PAGED_ATTENTION_REDUCE ("single" | "two",
+// read once per process; default "single") when counters are given, else the reduce kernel.
+enum class ReduceMode : int { kAuto = 0, kLastBlock = 1, kSeparateKernel = 2 };
+
 struct Params {
     void const* query = nullptr;            // [B, Sq, H, D]
     void const* k_cache = nullptr;          // [NB, BS, Hkv, D]
@@ -60,6 +71,13 @@ struct Params {
     float* partial_out = nullptr;           // workspace [B, Sq, H, num_splits, D]  (num_splits > 1)
     float* partial_lse = nullptr;           // workspace [B, Sq, H, num_splits]     (log2 domain)
     int32_t* error_flag = nullptr;          // optional, one int32 on the device, OR-ed with kError*
+    int32_t* split_counters = nullptr;      // kLastBlock: persistent, zeroed once by the caller,
+                                            // >= split_counters_needed(...) int32 (launcher checks)
+    int num_split_counters = 0;             // capacity of split_counters
+    ReduceMode reduce = ReduceMode::kAuto;
+    int dependent_launch = -1;    // sm_90: launch the attention kernel as a programmatic dependent of the
+                                  // previous kernel in the stream (it waits with griddepcontrol.wait
+                                  // before reading any input). -1: on with kLastBlock, 0 off, 1 on.
 
     int batch = 0;                // B
     int query_len = 1;            // Sq
@@ -104,8 +122,15 @@ Status resident_slots(DType dtype, int head_size, int block_size, int* slots);
 int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
     int block_size, int slots);
 
-// Workspace bytes for the partial outputs of num_splits splits (0 when num_splits <= 1).
+// Workspace bytes for the partial outputs of num_splits splits (0 when num_splits <= 1). Scratch:
+// its contents need not survive between calls.
 size_t workspace_size(int batch, int query_len, int num_heads, int head_size, int num_splits);
+
+// int32 split counters kLastBlock needs: one per (sequence, KV head, 16-row block), any split count.
+int split_counters_needed(int batch, int query_len, int num_heads, int num_kv_heads);
+
+// The mode kAuto resolves to when counters are given ($ES_PAGED_ATTENTION_REDUCE, read once).
+ReduceMode default_reduce_mode();
 
 // Slots assumed when sizing a workspace before the GPU is known (256 SMs x 4 blocks; an H200 has
 // 132 x 2 for D = 128). Callers clamp resident_slots() to it.
@@ -117,9 +142,10 @@ constexpr int kSlotBudget = 1024;
 size_t workspace_bound(int max_batch, int max_query_len, int num_heads, int num_kv_heads, int head_size,
     int block_size, int max_blocks_per_seq, int max_splits);
 
-// Launch attention (and the reduction when split) on `stream`. `workspace` must hold
-// workspace_size(...) bytes for the split count in use; p.num_splits == 0 picks it from `slots`
-// (<= 0: resident_slots()).
+// Launch attention (and, when split with kSeparateKernel, the reduce kernel) on `stream`. `workspace`
+// must hold workspace_size(...) bytes for the split count in use; p.num_splits == 0 picks it from
+// `slots` (<= 0: resident_slots()). With kLastBlock (or kAuto and counters given) p.split_counters
+// must hold split_counters_needed(...) zeroed int32s.
 Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes, int slots, cudaStream_t stream);
 
 // Write T new tokens' K and V into the cache pages through the slot mapping.

@@ -9,8 +9,12 @@
 //          online softmax (running max m, sum l per row, exp2 domain)
 //          O[16 x D] += P·V            (P reused from S registers, V via ldmatrix.trans)
 //   end: merge the 4 warps' (m, l, O) in smem ─▶ out (1 split) | partial out + lse (n splits)
-//   reduce kernel: out = Σ_i 2^(lse_i - M) · o_i / Σ_i 2^(lse_i - M)
-//   (sm_90+: launched as a programmatic dependent of the split kernel, waiting on griddepcontrol)
+//   split merge, out = Σ_i 2^(lse_i - M) · o_i / Σ_i 2^(lse_i - M), either
+//     kLastBlock: threadfence + atomicAdd on the (sequence, KV head, row block) counter; the block
+//       that sees num_splits - 1 resets it and merges all splits (merge_splits, split order), or
+//     kSeparateKernel: the reduce kernel (sm_90+: a programmatic dependent of the split kernel).
+//   sm_90+: the split kernel starts with griddepcontrol.wait, so it may itself be launched as a
+//   programmatic dependent of whatever kernel precedes it (its launch overlaps that kernel's tail).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,9 +44,139 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int D>
 __host__ __device__ constexpr int smem_stride() { return D + 8; }
 
+// The last-block merge (merge_splits) reuses the K/V stages: float accumulators [kMergeSlots][16][D]
+// then weights [16][<= kMaxSplits].
+template <int D>
+__host__ __device__ constexpr int merge_slots() { return kThreads / (D / 4); }  // (row, split) pairs per step
+
+template <int D>
+__host__ __device__ constexpr size_t merge_bytes() {
+    return (static_cast<size_t>(merge_slots<D>()) * kRowsPerCta * D + static_cast<size_t>(kRowsPerCta) * kMaxSplits) *
+           sizeof(float);
+}
+
 template <typename T, int D>
 __host__ __device__ constexpr size_t smem_bytes() {
-    return static_cast<size_t>(kRowsPerCta + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+    const size_t main_loop = static_cast<size_t>(kRowsPerCta + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+    const size_t merge = static_cast<size_t>(kRowsPerCta) * smem_stride<D>() * sizeof(T) + merge_bytes<D>();
+    return main_loop > merge ? main_loop : merge;
+}
+
+// Last block of a (sequence, KV head, row block): merge the num_splits partials of its nrows rows
+// into out. Weights w_i = 2^(lse_i - M) / Σ_j 2^(lse_j - M); every sum runs in a fixed order (split
+// order per slot, then slot order), so the result does not depend on which block came last. The
+// partials were written by other SMs: read through L2 (__ldcg). A NaN lse (bad data) poisons the row.
+template <typename T, int D>
+__device__ __forceinline__ void merge_splits(Params const& p, float* buf, int const* s_out_row, float* s_inv,
+    int num_splits, int nrows) {
+    constexpr int kLanesPerRow = D / 4;        // one float4 of a partial row per lane
+    constexpr int kSlots = merge_slots<D>();   // 4 (D = 128) or 8 (D = 64)
+    constexpr int kUnroll = 128 / kSlots;      // 16-byte loads in flight per thread (128 pairs per step)
+    const int S = num_splits;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* s_acc = buf;                              // [kSlots][kRowsPerCta][D]
+    float* s_w = buf + kSlots * kRowsPerCta * D;     // [nrows][S]
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int npairs = nrows * S;                    // (row, split) pairs, row-major
+    const int d4 = lane % kLanesPerRow;
+    const int slot = threadIdx.x / kLanesPerRow;     // takes pairs slot, slot + kSlots, ...
+
+    // kUnroll independent partial-output loads of the pairs base, base + kSlots, ... (-1: none).
+    float4 v[kUnroll];
+    int pair[kUnroll];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int pi = base + u * kSlots;
+            pair[u] = -1;
+            v[u] = zero;
+            if (pi < npairs) {
+                const int r = pi / S, sp = pi - r * S;
+                pair[u] = pi;
+                v[u] = __ldcg(reinterpret_cast<float4 const*>(
+                                  p.partial_out + (static_cast<size_t>(s_out_row[r]) * S + sp) * D) + d4);
+            }
+        }
+    };
+    // The first batch is in flight while the weights are computed (steps 1-2).
+    load(slot);
+
+    // 1. Every (row, split) log-sum-exp; zero the accumulators.
+    for (int i = threadIdx.x; i < npairs; i += kThreads) {
+        const int r = i / S, sp = i - r * S;
+        s_w[i] = __ldcg(p.partial_lse + static_cast<size_t>(s_out_row[r]) * S + sp);
+    }
+    for (int i = threadIdx.x; i < kSlots * kRowsPerCta * D / 4; i += kThreads) reinterpret_cast<float4*>(s_acc)[i] = zero;
+    __syncthreads();
+
+    // 2. Per row (a warp each): max, weights (0 for empty splits, lse = -inf), 1 / their sum.
+    for (int r = warp; r < nrows; r += kWarps) {
+        float* w = s_w + r * S;
+        float mx = -INFINITY;
+        int nan = 0;
+        for (int sp = lane; sp < S; sp += 32) {
+            const float x = w[sp];
+            nan |= isnan(x);
+            mx = fmaxf(mx, x);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+        nan = __any_sync(0xffffffff, nan);
+        float sum = 0.f;
+        for (int sp = lane; sp < S; sp += 32) {
+            const float e = (nan || mx == -INFINITY) ? 0.f : exp2f(w[sp] - mx);
+            w[sp] = e;
+            sum += e;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+        if (lane == 0) s_inv[r] = nan ? __int_as_float(0x7fc00000) : (sum > 0.f ? 1.f / sum : 0.f);
+    }
+    __syncthreads();
+
+    // 3. Σ w_i o_i per (slot, row). A slot's pairs come row by row, so each (slot, row) sum is
+    //    flushed to shared memory once, its splits added in order.
+    float4 acc = zero;
+    int cur = 0;
+    auto flush = [&]() {
+        float4* dst = reinterpret_cast<float4*>(s_acc + (slot * kRowsPerCta + cur) * D) + d4;
+        float4 a = *dst;
+        a.x += acc.x; a.y += acc.y; a.z += acc.z; a.w += acc.w;
+        *dst = a;
+    };
+    for (int base = slot; base < npairs; base += kUnroll * kSlots) {
+        if (base != slot) load(base);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            if (pair[u] < 0) continue;
+            const int r = pair[u] / S;
+            if (r != cur) {
+                flush();
+                acc = zero;
+                cur = r;
+            }
+            const float w = s_w[pair[u]];
+            acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
+        }
+    }
+    flush();
+    __syncthreads();
+
+    // 4. out = (Σ over slots, in slot order) · 1/Σw.
+    for (int i = threadIdx.x; i < nrows * kLanesPerRow; i += kThreads) {
+        const int r = i / kLanesPerRow, c = i % kLanesPerRow;
+        float4 a = zero;
+#pragma unroll
+        for (int q = 0; q < kSlots; ++q) {
+            const float4 v = reinterpret_cast<float4 const*>(s_acc + (q * kRowsPerCta + r) * D)[c];
+            a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
+        }
+        const float inv = s_inv[r];
+        uint2 packed;
+        packed.x = ptx::pack2<T>(a.x * inv, a.y * inv);
+        packed.y = ptx::pack2<T>(a.z * inv, a.w * inv);
+        *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + static_cast<size_t>(s_out_row[r]) * D + c * 4) = packed;
+    }
 }
 
 template <typename T, int D, int BS>
@@ -65,9 +199,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     __shared__ float s_l[kWarps][kRowsPerCta];
     __shared__ float s_row_max[kRowsPerCta];
     __shared__ float s_row_sum[kRowsPerCta];
+    __shared__ int s_out_row[kRowsPerCta];  // (b, s, h) output row of each of this block's rows
+    __shared__ int s_last;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Let the reduce kernel (a programmatic dependent launch) be scheduled now; it waits for us.
+    // When launched as a programmatic dependent of the previous kernel (which may have written the
+    // query, the caches, the tables or the lengths), wait for it before the first global read; a
+    // no-op otherwise. Then let our own dependent (the reduce kernel, or the next kernel) be
+    // scheduled; it waits for this whole grid before reading anything.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     const int split = blockIdx.x;
@@ -82,23 +222,18 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int Hkv = p.num_kv_heads;
 
     if (threadIdx.x == 0) s_bad = 0;
-
-    const int ctx = p.context_lens[b];
-    const bool bad_ctx = ctx < p.query_len || ctx > p.max_blocks_per_seq * BS;
-    const int ctx_eff = bad_ctx ? 0 : ctx;
-    // This split's token range [t_begin, t_end), whole tiles except the last.
-    int per_split = (ctx_eff + num_splits - 1) / num_splits;
-    per_split = (per_split + kTileTokens - 1) / kTileTokens * kTileTokens;
-    const int t_begin = split * per_split;
-    const int t_end = min(ctx_eff, t_begin + per_split);
-    const int num_tiles = t_end > t_begin ? (t_end - t_begin + kTileTokens - 1) / kTileTokens : 0;
-    __syncthreads();
+    if (threadIdx.x < kRowsPerCta) {
+        const int row = row0 + threadIdx.x;
+        s_out_row[threadIdx.x] =
+            row < rows_total ? (b * p.query_len + row / group) * p.num_heads + kvh * group + row % group : 0;
+    }
 
     T const* query = static_cast<T const*>(p.query);
     T const* k_cache = static_cast<T const*>(p.k_cache);
     T const* v_cache = static_cast<T const*>(p.v_cache);
     int32_t const* table = p.block_tables + static_cast<size_t>(b) * p.max_blocks_per_seq;
 
+    // Q first: its load overlaps the context-length read the K/V addresses depend on.
     // Q rows of this block: row r = s * G + g  ->  query[b, s, kvh * G + g, :]; padding rows are zero.
     for (int i = threadIdx.x; i < kRowsPerCta * kChunks; i += kThreads) {
         const int r = i / kChunks, c = i % kChunks;
@@ -113,24 +248,43 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     }
     ptx::cp_async_commit();
 
+    const int ctx = p.context_lens[b];
+    const bool bad_ctx = ctx < p.query_len || ctx > p.max_blocks_per_seq * BS;
+    const int ctx_eff = bad_ctx ? 0 : ctx;
+    // This split's token range [t_begin, t_end), whole tiles except the last.
+    int per_split = (ctx_eff + num_splits - 1) / num_splits;
+    per_split = (per_split + kTileTokens - 1) / kTileTokens * kTileTokens;
+    const int t_begin = split * per_split;
+    const int t_end = min(ctx_eff, t_begin + per_split);
+    const int num_tiles = t_end > t_begin ? (t_end - t_begin + kTileTokens - 1) / kTileTokens : 0;
+    __syncthreads();
+
     auto load_tile = [&](int tile, int stage) {
         const int t0 = t_begin + tile * kTileTokens;
         T* dk = sK + stage * kTileTokens * kStride;
         T* dv = sV + stage * kTileTokens * kStride;
+        constexpr int kIters = kTileTokens * kChunks / kThreads;
+        // All page-table reads of the tile first (independent, in flight together; the cp.async asm
+        // below is a compiler barrier, so interleaving them would serialise the reads), then the copies.
+        int page[kIters];
 #pragma unroll
-        for (int it = 0; it < kTileTokens * kChunks / kThreads; ++it) {
+        for (int it = 0; it < kIters; ++it) {
+            const int t = t0 + (threadIdx.x + it * kThreads) / kChunks;
+            page[it] = t < t_end ? __ldg(table + t / BS) : 0;
+        }
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
             const int i = threadIdx.x + it * kThreads;
             const int tok = i / kChunks, c = i % kChunks;
             const int t = t0 + tok;
             bool valid = t < t_end;
             size_t off = 0;
             if (valid) {
-                const int page = __ldg(table + t / BS);
-                if (page < 0 || page >= p.num_blocks) {
+                if (page[it] < 0 || page[it] >= p.num_blocks) {
                     s_bad = 1;  // every writer stores 1: the race is benign
                     valid = false;
                 } else {
-                    off = ((static_cast<size_t>(page) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
+                    off = ((static_cast<size_t>(page[it]) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
                 }
             }
             ptx::cp_async_16(dk + tok * kStride + c * 8, k_cache + off, valid);
@@ -317,6 +471,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             if (d == 0) p.partial_lse[part] = bad ? nan : (sum > 0.f ? s_row_max[r] + log2f(sum) : -INFINITY);
         }
     }
+    if (num_splits == 1 || p.split_counters == nullptr) return;  // done, or the reduce kernel merges
+
+    // kLastBlock: publish this block's partials, count it; the last of the num_splits blocks merges.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int32_t* counter = p.split_counters + (static_cast<size_t>(blockIdx.z) * gridDim.y + blockIdx.y);
+        const int last = atomicAdd(counter, 1) == num_splits - 1;
+        if (last) {
+            atomicExch(counter, 0);  // all num_splits arrived: ready for the next call / graph replay
+            __threadfence();         // acquire: the other blocks' partials are visible from here on
+        }
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    merge_splits<T, D>(p, reinterpret_cast<float*>(sK), s_out_row, s_row_sum, num_splits,
+        min(kRowsPerCta, rows_total - row0));
 }
 
 // Merge the splits of one output row (b, s, h) per block: the 4 warps take every 4th split (all

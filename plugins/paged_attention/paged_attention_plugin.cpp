@@ -47,6 +47,30 @@ PagedAttentionPlugin::PagedAttentionPlugin(PagedAttentionConfig const& config) :
 
 PagedAttentionPlugin::~PagedAttentionPlugin() {
     if (error_flag_host_ != nullptr) cudaFreeHost(error_flag_host_);
+    if (split_counters_ != nullptr) cudaFree(split_counters_);
+    for (int32_t* c : retired_counters_) cudaFree(c);
+}
+
+Status PagedAttentionPlugin::ensure_split_counters(int needed, cudaStream_t stream) {
+    if (needed <= num_split_counters_) return Status::Ok();
+    const int capacity = std::max({needed, 2 * num_split_counters_, 1024});
+    // cudaMalloc is not a stream operation; relaxed mode allows it while this thread captures a graph.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    ES_RETURN_IF_CUDA_ERROR(cudaThreadExchangeStreamCaptureMode(&mode));
+    int32_t* fresh = nullptr;
+    const cudaError_t alloc = cudaMalloc(reinterpret_cast<void**>(&fresh), sizeof(int32_t) * capacity);
+    ES_RETURN_IF_CUDA_ERROR(cudaThreadExchangeStreamCaptureMode(&mode));
+    ES_RETURN_IF_CUDA_ERROR(alloc);
+    // Zeroed once, in stream order before the kernel that first uses them; kernels leave them zero.
+    const cudaError_t zero = cudaMemsetAsync(fresh, 0, sizeof(int32_t) * capacity, stream);
+    if (zero != cudaSuccess) {
+        cudaFree(fresh);
+        ES_RETURN_IF_CUDA_ERROR(zero);
+    }
+    if (split_counters_ != nullptr) retired_counters_.push_back(split_counters_);  // a graph may still use it
+    split_counters_ = fresh;
+    num_split_counters_ = capacity;
+    return Status::Ok();
 }
 
 PagedAttentionPlugin::Io PagedAttentionPlugin::io() const {
@@ -280,7 +304,20 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
         pa::choose_num_splits(batch, query_len, p.num_heads, p.num_kv_heads, p.max_blocks_per_seq, p.block_size,
             std::min(slots_, pa::kSlotBudget)));
     const size_t ws = pa::workspace_size(batch, query_len, p.num_heads, p.head_size, p.num_splits);
-    Status st = pa::launch_paged_attention(p, workspace, ws, slots_, stream);
+    Status st = Status::Ok();
+    if (p.num_splits > 1 && pa::default_reduce_mode() == pa::ReduceMode::kLastBlock) {
+        st = ensure_split_counters(pa::split_counters_needed(batch, query_len, p.num_heads, p.num_kv_heads), stream);
+        if (!st.ok) {
+            log_error("PagedAttention: split counters: " + st.message);
+            return -1;
+        }
+        p.split_counters = split_counters_;
+        p.num_split_counters = num_split_counters_;
+        p.reduce = pa::ReduceMode::kLastBlock;
+    } else {
+        p.reduce = pa::ReduceMode::kSeparateKernel;
+    }
+    st = pa::launch_paged_attention(p, workspace, ws, slots_, stream);
     if (!st.ok) {
         log_error("PagedAttention: " + st.message);
         return -1;

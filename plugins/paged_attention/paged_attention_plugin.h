@@ -14,6 +14,16 @@
 //               The aliasing needs the builder's PreviewFeature::kALIASED_PLUGIN_IO_10_03.
 // write_kv = 0  inputs:  0 query  1 k_cache  2 v_cache  3 block_tables  4 context_lens;  output: 0 out
 //
+// Memory: the split-K partials live in TensorRT's per-enqueue workspace (getWorkspaceSize, scratch).
+// The single-kernel split merge (ReduceMode::kLastBlock) also needs int32 counters that persist
+// between calls (B * Hkv * ceil(G*Sq/16) of them); TensorRT's workspace is shared with other layers,
+// so the plugin owns them: enqueue allocates them when a shape needs more than it holds (cudaMalloc
+// in relaxed capture mode, so also while TensorRT captures a CUDA graph) and zeroes them once with a
+// cudaMemsetAsync on the enqueue stream, ordered before the kernel (captured as a memset node if the
+// stream is being captured); every kernel call leaves them zero. Each execution context has its own
+// plugin clone (attachToContext), hence its own counters. Replaced buffers are freed with the plugin,
+// since a captured graph may still use them. $ES_PAGED_ATTENTION_REDUCE=two selects the reduce kernel.
+//
 // Bad configuration (head size, block size, heads, query length, dtypes, shapes) is rejected by the
 // creator or configurePlugin with a logged error. Bad data (a page index outside the pool, a context
 // length beyond the block table) is only visible on the device: the kernel writes NaN for that
@@ -21,9 +31,12 @@
 #pragma once
 
 #include <NvInferRuntime.h>
+#include <cuda_runtime_api.h>
 
 #include <string>
 #include <vector>
+
+#include "../common/status.h"
 
 namespace enginesmith {
 namespace trt {
@@ -90,6 +103,10 @@ private:
     int slots_ = 0;  // resident blocks on this GPU (pa::resident_slots), for the split choice
     int32_t* error_flag_host_ = nullptr;  // cudaHostAllocMapped: written by the kernels
     int32_t* error_flag_device_ = nullptr;
+    int32_t* split_counters_ = nullptr;  // persistent, zeroed at allocation; see the header comment
+    int num_split_counters_ = 0;
+    std::vector<int32_t*> retired_counters_;  // outgrown buffers, freed with the plugin
+    Status ensure_split_counters(int needed, cudaStream_t stream);
     std::vector<nvinfer1::PluginField> serialized_;
     nvinfer1::PluginFieldCollection serialized_fc_{};
 };

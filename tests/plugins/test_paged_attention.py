@@ -1,5 +1,7 @@
 """GPU: paged attention kernels (decode, multi-token causal, GQA, fp16/bf16, D 64/128, BS 16/32/64,
-split-K) against the PyTorch reference, the slot-mapping KV write, and bad data on the device."""
+split-K with both split merges: the last block of each (sequence, KV head) in one kernel, "single",
+and the separate reduce kernel, "two") against the PyTorch reference, the split counters left zero
+for the next call / CUDA graph replay, the slot-mapping KV write, and bad data on the device."""
 
 from __future__ import annotations
 
@@ -15,15 +17,21 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
 
 
-def _run_case(torch, dtype, head_size, block_size, heads, kv_heads, query_len, context_lens, num_splits, seed=0):
+REDUCE = ["single", "two"]
+
+
+def _run_case(torch, dtype, head_size, block_size, heads, kv_heads, query_len, context_lens, num_splits, seed=0,
+              reduce="auto"):
     g = torch.Generator().manual_seed(seed)
     B = len(context_lens)
     k_cache, v_cache, tables, ctx = reference.make_paged_cache(
         B, context_lens, kv_heads, head_size, block_size, dtype, "cuda", generator=g)
     q = torch.randn(B, query_len, heads, head_size, generator=g).to(dtype).cuda()
-    out, flag = kernels.paged_attention(q, k_cache, v_cache, tables, ctx, num_splits=num_splits)
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits, reduce=reduce)
+    out = op(q, k_cache, v_cache, tables, ctx)
     ref = reference.paged_attention(q, k_cache, v_cache, tables, ctx)
-    return (out.float() - ref).abs().max().item(), flag
+    assert int(op.counters.abs().sum().item()) == 0, "split counters must be left zero for the next call"
+    return (out.float() - ref).abs().max().item(), int(op.error_flag.item())
 
 
 CASES = list(itertools.product(
@@ -35,23 +43,106 @@ CASES = list(itertools.product(
 ))
 
 
+@pytest.mark.parametrize("reduce", REDUCE)
 @pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len", [(c[0], c[1], c[2], c[3], c[4]) for c in CASES])
-def test_matches_reference(kernels_lib, dtype, head_size, block_size, heads, query_len):
+def test_matches_reference(kernels_lib, dtype, head_size, block_size, heads, query_len, reduce):
     import torch
 
     h, hkv = heads
     contexts = [query_len, 37 + query_len, 300, 1000]  # shortest context: only the new tokens
-    for splits in (1, 0, 7):  # one block, the launcher's choice, forced split-K
-        err, flag = _run_case(torch, getattr(torch, dtype), head_size, block_size, h, hkv, query_len, contexts, splits)
+    # one block (no merge: run once), the launcher's choice, forced split-K
+    for splits in (1, 0, 7) if reduce == "single" else (0, 7):
+        err, flag = _run_case(torch, getattr(torch, dtype), head_size, block_size, h, hkv, query_len, contexts, splits,
+                              reduce=reduce)
         assert flag == 0
-        assert err < TOL[dtype], f"splits={splits}: max error {err}"
+        assert err < TOL[dtype], f"splits={splits} reduce={reduce}: max error {err}"
 
 
-def test_long_context_split_k(kernels_lib):
+@pytest.mark.parametrize("reduce", REDUCE)
+def test_long_context_split_k(kernels_lib, reduce):
     import torch
 
-    err, flag = _run_case(torch, torch.float16, 128, 16, 32, 8, 1, [32768], 0)
+    err, flag = _run_case(torch, torch.float16, 128, 16, 32, 8, 1, [32768], 0, reduce=reduce)
     assert flag == 0 and err < 2e-3, err
+
+
+@pytest.mark.parametrize("reduce", REDUCE)
+@pytest.mark.parametrize("dtype,head_size", [("float16", 128), ("bfloat16", 64)])
+def test_max_splits_many_row_blocks(kernels_lib, reduce, dtype, head_size):
+    """kMaxSplits splits, 4 row blocks per KV head (G 4 x Sq 16 = 64 rows), a batch of unequal
+    contexts (some splits empty): the largest merge the last block does."""
+    import torch
+
+    limits = kernels_lib.paged_attention_limits()
+    err, flag = _run_case(torch, getattr(torch, dtype), head_size, 16, 16, 4, 16, [20000, 700, 16],
+                          limits.max_splits, reduce=reduce)
+    assert flag == 0 and err < TOL[dtype], err
+
+
+def _decode_setup(torch, B=3, contexts=(1500, 4000, 333), seed=5):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables, ctx = reference.make_paged_cache(
+        B, list(contexts), 8, 128, 16, torch.float16, "cuda", generator=g)
+    q = torch.randn(B, 1, 32, 128, generator=g).half().cuda()
+    return q, k_cache, v_cache, tables, ctx
+
+
+@pytest.mark.parametrize("dependent_launch", [None, False, True])
+def test_single_and_two_kernel_merges_agree(kernels_lib, dependent_launch):
+    """Both merges (and the dependent launch on or off) give the same answer up to fp rounding."""
+    import torch
+
+    q, k_cache, v_cache, tables, ctx = _decode_setup(torch)
+    outs = {}
+    for reduce in REDUCE:
+        op = kernels.PagedAttention(q, k_cache, v_cache, tables, 9, reduce=reduce, dependent_launch=dependent_launch)
+        outs[reduce] = op(q, k_cache, v_cache, tables, ctx)
+        assert int(op.error_flag.item()) == 0
+    ref = reference.paged_attention(q, k_cache, v_cache, tables, ctx)
+    assert (outs["single"].float() - ref).abs().max().item() < 2e-3
+    assert (outs["single"].float() - outs["two"].float()).abs().max().item() < 2e-3
+
+
+def test_single_kernel_merge_is_deterministic_and_graph_safe(kernels_lib):
+    """Repeated calls, eager and as CUDA graph replays without any memset, give bit-identical output
+    (the merge sums in split order, whichever block came last) and leave the counters zero."""
+    import torch
+
+    q, k_cache, v_cache, tables, ctx = _decode_setup(torch)
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, 13, reduce="single")
+    out = torch.empty_like(q)
+    first = op(q, k_cache, v_cache, tables, ctx, out).clone()
+    for _ in range(3):
+        op(q, k_cache, v_cache, tables, ctx, out)
+        assert torch.equal(out, first)
+    assert int(op.counters.abs().sum().item()) == 0
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(q, k_cache, v_cache, tables, ctx, out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):  # back-to-back calls reuse the same counters and partials
+            op(q, k_cache, v_cache, tables, ctx, out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    assert int(op.counters.abs().sum().item()) == 0
+    assert int(op.error_flag.item()) == 0
+
+
+def test_single_kernel_merge_without_counters_is_an_error(kernels_lib):
+    import torch
+
+    q, k_cache, v_cache, tables, ctx = _decode_setup(torch)
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, 4, reduce="single")
+    op.num_counters = 0  # as if the caller gave none
+    with pytest.raises(kernels.KernelError, match="split counters"):
+        op(q, k_cache, v_cache, tables, ctx)
 
 
 def test_write_kv_through_slot_mapping(kernels_lib):
@@ -74,30 +165,40 @@ def test_write_kv_through_slot_mapping(kernels_lib):
     assert kernels.write_kv(key, value, bad, kc, vc) & 4
 
 
-def test_block_table_out_of_range_poisons_output_and_flags(kernels_lib):
+@pytest.mark.parametrize("reduce", REDUCE)
+def test_block_table_out_of_range_poisons_output_and_flags(kernels_lib, reduce):
     import torch
 
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache, tables, ctx = reference.make_paged_cache(2, [100, 200], 2, 64, 16, torch.float16, "cuda", generator=g)
     q = torch.randn(2, 1, 8, 64, generator=g).half().cuda()
+    good_tables = tables.clone()
     tables[1, 3] = k_cache.shape[0] + 5  # page outside the pool
     for splits in (1, 4):
-        out, flag = kernels.paged_attention(q, k_cache, v_cache, tables, ctx, num_splits=splits)
-        assert flag & 1
+        op = kernels.PagedAttention(q, k_cache, v_cache, tables, splits, reduce=reduce)
+        out = op(q, k_cache, v_cache, tables, ctx)
+        assert int(op.error_flag.item()) & 1
         assert torch.isnan(out[1]).all(), "the bad sequence must not get a plausible answer"
         ref = reference.paged_attention(q[:1], k_cache, v_cache, tables[:1], ctx[:1])
         assert (out[0].float() - ref[0]).abs().max().item() < 2e-3, "other sequences are unaffected"
+        # The bad call still leaves the counters zero: the next (good) call with the same op is right.
+        assert int(op.counters.abs().sum().item()) == 0
+        out = op(q, k_cache, v_cache, good_tables, ctx)
+        ref = reference.paged_attention(q, k_cache, v_cache, good_tables, ctx)
+        assert (out.float() - ref).abs().max().item() < 2e-3
 
 
-def test_context_longer_than_block_table_flags(kernels_lib):
+@pytest.mark.parametrize("reduce", REDUCE)
+def test_context_longer_than_block_table_flags(kernels_lib, reduce):
     import torch
 
     g = torch.Generator().manual_seed(2)
     k_cache, v_cache, tables, ctx = reference.make_paged_cache(1, [64], 2, 64, 16, torch.float16, "cuda", generator=g)
     q = torch.randn(1, 1, 4, 64, generator=g).half().cuda()
     ctx[0] = 65  # table has 4 pages of 16
-    out, flag = kernels.paged_attention(q, k_cache, v_cache, tables, ctx)
-    assert flag & 2 and torch.isnan(out).all()
+    for splits in (0, 2):
+        out, flag = kernels.paged_attention(q, k_cache, v_cache, tables, ctx, num_splits=splits, reduce=reduce)
+        assert flag & 2 and torch.isnan(out).all()
 
 
 def test_unsupported_head_size_is_an_error(kernels_lib):

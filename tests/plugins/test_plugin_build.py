@@ -46,6 +46,15 @@ def test_limits_come_from_the_cpp_layer(kernels_lib):
     assert limits.max_query_len == 16
 
 
+def test_split_counters_for_the_single_kernel_merge(kernels_lib):
+    """One persistent int32 counter per (sequence, KV head, 16-row block), whatever the split count."""
+    L = kernels_lib.lib()
+    assert L.es_abi_version() == kernels_lib.ABI_VERSION
+    assert L.es_paged_attention_counters(2, 1, 32, 8) == 16   # G 4 x Sq 1: one row block per KV head
+    assert L.es_paged_attention_counters(2, 16, 16, 4) == 32  # G 4 x Sq 16 = 64 rows: 4 row blocks
+    assert L.es_paged_attention_counters(3, 5, 9, 3) == 9     # G 3 x Sq 5 = 15 rows: 1 row block
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

@@ -183,7 +183,7 @@ class PagedAttention:
     """Preallocates the workspace, the split counters (zeroed once here; every call leaves them zero)
     and the error flag once; call like a function (benchmarks reuse it, also inside CUDA graphs).
 
-    dependent_launch: None = the launcher's choice (on for the single-kernel reduce on sm_90), or a
+    dependent_launch: None = the launcher's choice (on on sm_90), or a
     bool: launch the attention kernel as a programmatic dependent of the previous kernel."""
 
     def __init__(self, query, k_cache, v_cache, block_tables, num_splits: int = 0, scale: float = 0.0,

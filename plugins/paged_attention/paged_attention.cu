@@ -157,7 +157,9 @@ int split_counters_needed(int batch, int query_len, int num_heads, int num_kv_he
 ReduceMode default_reduce_mode() {
     static ReduceMode const mode = [] {
         char const* env = std::getenv("ES_PAGED_ATTENTION_REDUCE");
-        return env != nullptr && std::strcmp(env, "two") == 0 ? ReduceMode::kSeparateKernel : ReduceMode::kLastBlock;
+        // Two kernels by default: on an H200 the last-block merge was slower at every context (batch 1,
+        // 8k: 28.4 vs 14.2 us; benchmarks/plugins/results/h200_reduce_single_vs_two.json).
+        return env != nullptr && std::strcmp(env, "single") == 0 ? ReduceMode::kLastBlock : ReduceMode::kSeparateKernel;
     }();
     return mode;
 }
@@ -224,7 +226,7 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     {
         // sm_90+: optionally a programmatic dependent of the previous kernel in the stream (the kernel
         // waits on griddepcontrol before its first global read), hiding most of the launch gap.
-        const bool pdl = dependent_launch_supported() && (p.dependent_launch < 0 ? last_block : p.dependent_launch != 0);
+        const bool pdl = dependent_launch_supported() && p.dependent_launch != 0;
         cudaLaunchAttribute attr[1];
         attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[0].val.programmaticStreamSerializationAllowed = 1;

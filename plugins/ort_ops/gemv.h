@@ -35,10 +35,6 @@ cudaError_t gemv_launch(const GemvProblem& p, cudaStream_t stream);
 // gate_out[i] = silu(gate_out[i]) * up[i]: the SwiGLU epilogue for calls that ran two GEMMs.
 cudaError_t swiglu_combine(__half* gate_out, const __half* up, size_t count, cudaStream_t stream);
 
-// w[N, K] fp16 = the int4 weights of MatMulNBits' layout, dequantized (for calls that run a GEMM).
-cudaError_t dequant_q4(const void* packed, const __half* scales, __half* w, int N, int K, int block_size,
-                       cudaStream_t stream);
-
 // CPU reference with the same semantics (fp32 accumulation), for the CPU EP and for tests.
 void gemv_reference(const GemvProblem& p);
 

@@ -77,19 +77,32 @@ def _ops_graph(rng, m_shape, n, k, bs):
              helper.make_node("SwiGluGemv", ["x", "w", "wu"], ["swiglu"], domain=E),
              helper.make_node("GemvQ4", ["x", "b", "s"], ["gemv_q4"], domain=E, **q4),
              helper.make_node("SwiGluGemvQ4", ["x", "b", "s", "bu", "su"], ["swiglu_q4"], domain=E, **q4),
-             helper.make_node("MatMulNBits", ["x", "b", "s"], ["nbits"], domain="com.microsoft", bits=4, **q4)]
-    inits = {"w": w, "wu": wu, "b": _pack(q, bs), "s": s.reshape(-1), "bu": _pack(qu, bs), "su": su.reshape(-1)}
+             # its own copy of the weights: ORT CUDA's MatMulNBits prepacks (and may release) what it reads
+             helper.make_node("MatMulNBits", ["x", "b_nbits", "s_nbits"], ["nbits"], domain="com.microsoft", bits=4,
+                              **q4)]
+    inits = {"w": w, "wu": wu, "b": _pack(q, bs), "s": s.reshape(-1), "bu": _pack(qu, bs), "su": su.reshape(-1),
+             "b_nbits": _pack(q, bs), "s_nbits": s.reshape(-1)}
     refs = dict(w=w.astype(np.float32), wu=wu.astype(np.float32), deq=deq, dequ=dequ)
     return _model(nodes, inits, list(m_shape) + [k]), refs
 
 
+_STREAMS = []
+
+
 def _session(model, ops_lib, cuda=False):
+    """A CPU session, or a CUDA one on a user compute stream (as GqaEngine runs the ops; on ORT's own
+    stream their launches failed on the H200, see plugins/ort_ops/ort_ops.cpp)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.register_custom_ops_library(str(ops_lib))
-    providers = [("CUDAExecutionProvider", {"device_id": 0})] if cuda else ["CPUExecutionProvider"]
-    if cuda and hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()
+    providers = ["CPUExecutionProvider"]
+    if cuda:
+        import torch
+
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        _STREAMS.append(torch.cuda.Stream())  # kept alive for the session's lifetime
+        providers = [("CUDAExecutionProvider", {"device_id": 0, "user_compute_stream": str(_STREAMS[-1].cuda_stream)})]
     return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
 
 

@@ -127,3 +127,16 @@ def drop_unused_initializers(graph: ir.Graph) -> int:
     for name in unused:
         graph.initializers.pop(name)
     return len(unused)
+
+
+def replace_value(graph: ir.Graph, old: ir.Value, new: ir.Value, name: str) -> None:
+    """Every use of `old`, and its place among the graph outputs, goes to `new` (named `name`, typed and
+    shaped as `old`); a graph output keeps its name (logits stays logits)."""
+    new.name, new.type, new.shape = name, old.type, old.shape
+    output_name = None
+    for i, out in enumerate(graph.outputs):
+        if out is old:
+            graph.outputs[i], output_name = new, old.name
+    ir.convenience.replace_all_uses_with(old, new)
+    if output_name is not None:
+        old.name, new.name = None, output_name

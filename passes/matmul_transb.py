@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from enginesmith.passes.edit import Namer, add_initializer, drop_unused_initializers
+from enginesmith.passes.edit import Namer, add_initializer, drop_unused_initializers, replace_value
 from enginesmith.passes.registry import PassContext, PassResult, register
 
 MS_DOMAIN = "com.microsoft"
@@ -70,16 +70,9 @@ def matmul_transb(model: ir.Model, params: MatMulTransBParams | None = None,
                         [ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", 1.0)],
                         num_outputs=1, name=namer(f"{node.name or 'matmul'}_transb"))
         graph.insert_before(node, fused)
-        old, new = node.outputs[0], fused.outputs[0]
-        new.name, new.type, new.shape = namer(f"{old.name}_t"), old.type, old.shape
-        output_name = None
-        for i, out in enumerate(graph.outputs):
-            if out is old:
-                graph.outputs[i], output_name = new, old.name
-        ir.convenience.replace_all_uses_with(old, new)
+        old = node.outputs[0]
+        replace_value(graph, old, fused.outputs[0], namer(f"{old.name}_t"))
         graph.remove(node, safe=True)
-        if output_name is not None:  # a graph output keeps its name (logits)
-            old.name, new.name = None, output_name
         counts["fused_matmul_transb"] += 1
     if counts["fused_matmul_transb"]:
         RemoveUnusedNodesPass()(model)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from enginesmith.passes.edit import Namer
+from enginesmith.passes.edit import Namer, replace_value
 from enginesmith.passes.registry import PassContext, PassResult, register
 
 DOMAIN = "com.enginesmith"
@@ -71,15 +71,7 @@ def _replace(graph: ir.Graph, old: ir.Node, op: str, inputs: list[ir.Value], att
     node = ir.Node(DOMAIN, op, inputs, [ir.AttrInt64(k, int(v)) for k, v in attrs.items()], num_outputs=1,
                    name=namer(f"{old.name or op}_{op.lower()}"))
     graph.insert_before(old, node)
-    new = node.outputs[0]
-    new.name, new.type, new.shape = namer(f"{out_of.name}_{op.lower()}"), out_of.type, out_of.shape
-    output_name = None
-    for i, out in enumerate(graph.outputs):
-        if out is out_of:
-            graph.outputs[i], output_name = new, out_of.name
-    ir.convenience.replace_all_uses_with(out_of, new)
-    if output_name is not None:  # a graph output keeps its name (logits)
-        out_of.name, new.name = None, output_name
+    replace_value(graph, out_of, node.outputs[0], namer(f"{out_of.name}_{op.lower()}"))
     return node
 
 

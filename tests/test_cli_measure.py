@@ -86,3 +86,13 @@ def test_build_for_cuda_bad_combinations(tmp_path, extra, word):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert word in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "e").exists()
+
+
+def test_build_for_cuda_custom_ops_on_without_the_library(tmp_path, monkeypatch):
+    """--custom-ops on asks for the ORT ops library: without it, one line that says how to build it."""
+    monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(tmp_path / "missing.so"))
+    result = cli("build", "--model", "tiny:llama", "--dtype", "fp16", "--for-cuda", "--custom-ops", "on",
+                 "--out", str(tmp_path / "e"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "ops library is not built" in result.stderr and "cmake" in result.stderr
+    assert not (tmp_path / "e").exists()

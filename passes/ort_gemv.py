@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from enginesmith.passes import match
 from enginesmith.passes.edit import Namer, replace_value
 from enginesmith.passes.registry import PassContext, PassResult, register
 
@@ -29,11 +30,6 @@ MS_DOMAIN = "com.microsoft"
 @dataclass(frozen=True)
 class OrtGemvParams:
     swiglu: bool = True  # fuse gate/up/SiLU/Mul into one op
-
-
-def _attr(node: ir.Node, name: str, default=None):
-    a = node.attributes.get(name)
-    return default if a is None else a.value
 
 
 def _is_fp16(value: ir.Value) -> bool:
@@ -47,8 +43,8 @@ def _gemv_inputs(node: ir.Node) -> tuple[str, list[ir.Value], dict] | None:
         return None
     if node.op_type == "FusedMatMul":
         w = node.inputs[1]
-        if (_attr(node, "transA", 0), _attr(node, "transB", 0), _attr(node, "alpha", 1.0)) != (0, 1, 1.0) or \
-                any(_attr(node, a, 0) for a in ("transBatchA", "transBatchB")):
+        if (match.attr(node, "transA", 0), match.attr(node, "transB", 0), match.attr(node, "alpha", 1.0)) != (0, 1, 1.0) or \
+                any(match.attr(node, a, 0) for a in ("transBatchA", "transBatchB")):
             return None
         if w is None or w.const_value is None or len(w.const_value.shape) != 2 or not _is_fp16(w):
             return None
@@ -56,10 +52,11 @@ def _gemv_inputs(node: ir.Node) -> tuple[str, list[ir.Value], dict] | None:
             return None
         return "Gemv", [x, w], {}
     if node.op_type == "MatMulNBits":
-        if _attr(node, "bits", 4) != 4 or len([v for v in node.inputs if v is not None]) != 3 or \
-                len(node.inputs) > 3 and any(v is not None for v in node.inputs[3:]):
+        ins = node.inputs  # A, B, scales only: no zero points, g_idx or bias
+        if match.attr(node, "bits", 4) != 4 or len(ins) < 3 or any(v is None for v in ins[:3]) or \
+                any(v is not None for v in ins[3:]):
             return None
-        K, N, bs = _attr(node, "K"), _attr(node, "N"), _attr(node, "block_size")
+        K, N, bs = match.attr(node, "K"), match.attr(node, "N"), match.attr(node, "block_size")
         if bs not in (32, 64, 128, 256) or K % bs or not _is_fp16(node.inputs[2]):
             return None
         return "GemvQ4", [x, node.inputs[1], node.inputs[2]], {"K": K, "N": N, "block_size": bs}
@@ -97,7 +94,7 @@ def _swiglu(mul: ir.Node) -> tuple[ir.Node, ir.Node] | None:
                 continue
             if gate.inputs[0] is not up.inputs[0] or gate is up:
                 continue
-            if gate.op_type == "GemvQ4" and any(_attr(gate, a) != _attr(up, a) for a in ("K", "N", "block_size")):
+            if gate.op_type == "GemvQ4" and any(match.attr(gate, a) != match.attr(up, a) for a in ("K", "N", "block_size")):
                 continue
             if _only_uses(g_v, 2) is None or _only_uses(silu_v, 1) is None or _only_uses(up_v, 1) is None or \
                     _only_uses(sig_v, 1) is None:
@@ -135,7 +132,7 @@ def ort_gemv(model: ir.Model, params: OrtGemvParams | None = None, ctx: PassCont
             else:
                 op, inputs = "SwiGluGemvQ4", [gate.inputs[0], gate.inputs[1], gate.inputs[2], up.inputs[1],
                                               up.inputs[2]]
-                attrs = {a: _attr(gate, a) for a in ("K", "N", "block_size")}
+                attrs = {a: match.attr(gate, a) for a in ("K", "N", "block_size")}
             _replace(graph, node, op, inputs, attrs, namer, node.outputs[0])
             counts["swiglu"] += 1  # gate, up, Sigmoid and the Muls are now unused: removed below
     if any(counts.values()):
@@ -144,4 +141,4 @@ def ort_gemv(model: ir.Model, params: OrtGemvParams | None = None, ctx: PassCont
     return PassResult(counts)
 
 
-__all__ = ["OrtGemvParams", "ort_gemv", "DOMAIN"]
+__all__ = ["DOMAIN", "OrtGemvParams", "ort_gemv"]

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from enginesmith.errors import UserError
+from enginesmith.plugins.kernels import build_dir
 
 DOMAIN = "com.enginesmith"
 LIBRARY = "libenginesmith_ort_ops.so"
@@ -18,10 +19,7 @@ LIBRARY = "libenginesmith_ort_ops.so"
 
 def library_path() -> Path:
     env = os.environ.get("ENGINESMITH_ORT_OPS_LIB")
-    if env:
-        return Path(env)
-    build = os.environ.get("ENGINESMITH_PLUGINS_BUILD")
-    return (Path(build) if build else Path(__file__).resolve().parent / "build") / LIBRARY
+    return Path(env) if env else build_dir() / LIBRARY
 
 
 def available() -> bool:

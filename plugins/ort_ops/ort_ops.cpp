@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gemv.h"
@@ -179,11 +180,11 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<Kernel*>(kernel_ptr);
   const Kind kind = k.def->kind;
-  const std::string op = k.def->name;
+  const std::string_view op = k.def->name;  // strings are built only on the error paths
   std::vector<Tensor> in(input_count(kind));
   for (size_t i = 0; i < in.size(); ++i) ORT_TRY(read_input(ctx, i, &in[i]));
   const Tensor& x = in[0];
-  if (x.type != kFloat16 || x.dims.empty()) return error(op + ": x must be a float16 tensor [..., K]");
+  if (x.type != kFloat16 || x.dims.empty()) return error(std::string(op) + ": x must be a float16 tensor [..., K]");
   GemvProblem p;
   p.q4 = quantized(kind);
   p.swiglu = swiglu(kind);
@@ -196,12 +197,12 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
     for (int w = 0; w < nw; ++w) {
       const Tensor& t = in[1 + w];
       if (t.type != kFloat16 || t.dims.size() != 2 || t.dims[1] != p.K || (w == 1 && t.dims[0] != in[1].dims[0]))
-        return error(op + ": weights must be float16 [N, K] with K = " + std::to_string(p.K));
+        return error(std::string(op) + ": weights must be float16 [N, K] with K = " + std::to_string(p.K));
       p.w[w] = t.data;
     }
     p.N = int(in[1].dims[0]);
   } else {
-    if (p.K != k.K) return error(op + ": x has K = " + std::to_string(p.K) + ", the node says " + std::to_string(k.K));
+    if (p.K != k.K) return error(std::string(op) + ": x has K = " + std::to_string(p.K) + ", the node says " + std::to_string(k.K));
     p.N = int(k.N);
     p.block_size = int(k.block_size);
     for (int w = 0; w < nw; ++w) {
@@ -211,7 +212,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
       for (int64_t d : b.dims) b_elems *= d;
       for (int64_t d : s.dims) s_elems *= d;
       if (b.type != kUint8 || b_elems != k.N * k.K / 2 || s.type != kFloat16 || s_elems != k.N * (k.K / k.block_size))
-        return error(op + ": packed weights must be uint8 [N, K/block_size, block_size/2] and scales float16 "
+        return error(std::string(op) + ": packed weights must be uint8 [N, K/block_size, block_size/2] and scales float16 "
                           "[N, K/block_size]");
       p.w[w] = b.data;
       p.scales[w] = static_cast<const __half*>(s.data);
@@ -226,7 +227,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
   ORT_TRY(g_api->GetTensorMutableData(out, &y));
   p.y = static_cast<__half*>(y);
   if (p.M == 0) return nullptr;
-  if (const char* why = enginesmith::gemv_check(p); *why) return error(op + ": " + why);
+  if (const char* why = enginesmith::gemv_check(p); *why) return error(std::string(op) + ": " + why);
   if (k.def->cuda) return run_cuda(k, p, ctx);
   enginesmith::gemv_reference(p);
   return nullptr;

@@ -5,6 +5,13 @@
     x ─ gate ─ Sigmoid ─ Mul ─┐                              x ─ SwiGluGemv(Wg, Wu) ─ y
     x ─ up ───────────────────Mul ─ y                         (SwiGluGemvQ4 for int4 weights)
 
+Then (norm=True) the RMSNorm that feeds a product, when nothing else reads the normalized x, is folded
+into it, one kernel less per norm (each block normalizes x itself, see plugins/ort_ops/gemv.h):
+
+    a, b ─ SkipSimplifiedLayerNormalization(gamma) ─ y ─ <op> ─ z     a, b ─ SkipRmsNorm<op>(gamma) ─ z
+                                                  └─ sum (residual)              └─ sum (residual)
+    x ─ RMSNormalization(gamma) ─ y ─ <op> ─ z                         x ─ RmsNorm<op>(gamma) ─ z
+
 ORT CUDA runs a batch-1 decode GEMV through cuBLAS at 40-76 % of the copy bandwidth (fp16) and its
 MatMulNBits kernel at under 30 % (int4); the custom ops stream the weights near the bandwidth and
 fold the MLP's gate, up, SiLU and Mul into one kernel (benchmarks/gpu/README.md has the figures).
@@ -30,6 +37,7 @@ MS_DOMAIN = "com.microsoft"
 @dataclass(frozen=True)
 class OrtGemvParams:
     swiglu: bool = True  # fuse gate/up/SiLU/Mul into one op
+    norm: bool = True    # fold the RMSNorm before a product into it
 
 
 def _is_fp16(value: ir.Value) -> bool:
@@ -64,11 +72,19 @@ def _gemv_inputs(node: ir.Node) -> tuple[str, list[ir.Value], dict] | None:
 
 
 def _replace(graph: ir.Graph, old: ir.Node, op: str, inputs: list[ir.Value], attrs: dict, namer: Namer,
-             out_of: ir.Value) -> ir.Node:
-    node = ir.Node(DOMAIN, op, inputs, [ir.AttrInt64(k, int(v)) for k, v in attrs.items()], num_outputs=1,
+             out_of: ir.Value, sum_of: ir.Value | None = None) -> ir.Node:
+    """A new `op` node before `old` whose output takes `out_of`'s place (and its second output
+    `sum_of`'s, for the SkipRmsNorm ops)."""
+    attributes = [ir.AttrFloat32(k, float(v)) if isinstance(v, float) else ir.AttrInt64(k, int(v))
+                  for k, v in attrs.items()]
+    node = ir.Node(DOMAIN, op, inputs, attributes, num_outputs=2 if op.startswith("SkipRmsNorm") else 1,
                    name=namer(f"{old.name or op}_{op.lower()}"))
     graph.insert_before(old, node)
     replace_value(graph, out_of, node.outputs[0], namer(f"{out_of.name}_{op.lower()}"))
+    if sum_of is not None:
+        replace_value(graph, sum_of, node.outputs[1], namer(f"{sum_of.name}_{op.lower()}"))
+    elif len(node.outputs) > 1:
+        node.outputs[1].name = namer(f"{node.name}_sum")  # a last norm's residual: nothing reads it
     return node
 
 
@@ -103,15 +119,52 @@ def _swiglu(mul: ir.Node) -> tuple[ir.Node, ir.Node] | None:
     return None
 
 
+PRODUCTS = ("Gemv", "SwiGluGemv", "GemvQ4", "SwiGluGemvQ4")
+MAX_NORM_K = 24576  # the fused norm keeps a row of x in 48 KiB of shared memory
+
+
+def _norm_fold(norm: ir.Node) -> tuple[str, list[ir.Value], float, ir.Value | None, ir.Node] | None:
+    """For an RMSNorm whose output is the x of exactly one product op and nothing else:
+    (op prefix, the norm's inputs, epsilon, the residual sum it outputs or None, the product)."""
+    if norm.op_type == "SkipSimplifiedLayerNormalization" and norm.domain == MS_DOMAIN:
+        prefix, inputs = "SkipRmsNorm", list(norm.inputs)
+        if len(inputs) != 3 or any(v is None for v in inputs):  # no bias
+            return None
+        if any(v is not None and v.uses() for v in norm.outputs[1:3]):  # mean, inv_std
+            return None
+        total = norm.outputs[3] if len(norm.outputs) > 3 else None
+        if total is not None and not total.uses() and not total.is_graph_output():
+            total = None
+    elif norm.op_type == "RMSNormalization" and norm.domain == "":
+        prefix, inputs, total = "RmsNorm", list(norm.inputs), None
+        x = inputs[0] if inputs else None
+        rank = x.shape.rank() if x is not None and x.shape is not None else None
+        if len(inputs) != 2 or x is None or rank is None or match.attr(norm, "axis", -1) not in (-1, rank - 1) or \
+                match.attr(norm, "stash_type", 1) != 1:
+            return None
+    else:
+        return None
+    gamma = match.constant(inputs[-1])
+    if any(v is None or not _is_fp16(v) for v in inputs) or gamma is None or len(gamma.shape) != 1 or \
+            gamma.shape[0] > MAX_NORM_K or gamma.shape[0] % 8:
+        return None
+    users = _only_uses(norm.outputs[0], 1)
+    if users is None or users[0].domain != DOMAIN or users[0].op_type not in PRODUCTS or \
+            users[0].inputs[0] is not norm.outputs[0] or any(v is norm.outputs[0] for v in users[0].inputs[1:]):
+        return None
+    return prefix, inputs, float(match.attr(norm, "epsilon", 1e-5)), total, users[0]
+
+
 @register("ort_gemv", OrtGemvParams, exact=False)
 def ort_gemv(model: ir.Model, params: OrtGemvParams | None = None, ctx: PassContext | None = None) -> PassResult:
-    """fp16 FusedMatMul(transB) and int4 MatMulNBits -> com.enginesmith Gemv ops; SwiGLU MLPs fused."""
+    """fp16 FusedMatMul(transB) and int4 MatMulNBits -> com.enginesmith Gemv ops; SwiGLU MLPs and the
+    RMSNorms before products fused."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     params = params or OrtGemvParams()
     graph = model.graph
     namer = Namer(graph)
-    counts = {"gemv": 0, "gemv_q4": 0, "swiglu": 0}
+    counts = {"gemv": 0, "gemv_q4": 0, "swiglu": 0, "norm": 0}
     for node in list(graph):
         found = _gemv_inputs(node)
         if found is None:
@@ -135,6 +188,18 @@ def ort_gemv(model: ir.Model, params: OrtGemvParams | None = None, ctx: PassCont
                 attrs = {a: match.attr(gate, a) for a in ("K", "N", "block_size")}
             _replace(graph, node, op, inputs, attrs, namer, node.outputs[0])
             counts["swiglu"] += 1  # gate, up, Sigmoid and the Muls are now unused: removed below
+    if params.norm:
+        RemoveUnusedNodesPass()(model)  # the SwiGLUs' leftovers must not count as readers of a norm
+        for node in list(graph):
+            folded = _norm_fold(node)
+            if folded is None:
+                continue
+            prefix, norm_inputs, eps, total, product = folded
+            attrs = {a.name: a.value for a in product.attributes.values()}
+            _replace(graph, product, prefix + product.op_type, norm_inputs + list(product.inputs[1:]),
+                     {**attrs, "epsilon": eps}, namer, product.outputs[0], total)
+            graph.remove(product, safe=True)
+            counts["norm"] += 1  # the norm is now unused: removed below
     if any(counts.values()):
         RemoveUnusedNodesPass()(model)
         model.opset_imports.setdefault(DOMAIN, 1)

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace enginesmith {
@@ -63,11 +65,80 @@ __device__ __forceinline__ void pair8(const uint4& xv, __half2 out[4]) {
   out[3] = as_h2(__byte_perm(xv.y, xv.w, 0x7632));
 }
 
-template <int MR, bool Q4, int NW, int ROWS, int U>
+// Programmatic dependent launch (sm_90+): wait for the kernel before this one (its writes are then
+// visible), and let the next one start launching now. Without a PDL launch both are no-ops.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The whole block normalizes row `row` of p.x (+ p.skip) into dst[0:K] (see gemv.h for the rounding);
+// with `write_sum`, fp16(x + skip) also goes to p.sum_out. Every thread of the block must call it.
+__device__ void rmsnorm_row(const GemvProblem& p, int row, uint4* dst, bool write_sum) {
+  __shared__ float partial[32];
+  const int k8 = p.K / 8;
+  const auto* xr = reinterpret_cast<const uint4*>(p.x + size_t(row) * p.K);
+  const auto* sr = p.skip ? reinterpret_cast<const uint4*>(p.skip + size_t(row) * p.K) : nullptr;
+  auto* out = write_sum && p.sum_out ? reinterpret_cast<uint4*>(p.sum_out + size_t(row) * p.K) : nullptr;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < k8; i += blockDim.x) {
+    uint4 v = xr[i];
+    uint32_t* h = reinterpret_cast<uint32_t*>(&v);
+    const uint4 sv = sr ? sr[i] : make_uint4(0, 0, 0, 0);
+    const uint32_t* sh = reinterpret_cast<const uint32_t*>(&sv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 f = __half22float2(as_h2(h[j]));
+      if (sr) {
+        const float2 g = __half22float2(as_h2(sh[j]));
+        f.x += g.x;
+        f.y += g.y;
+        const __half2 r = __floats2half2_rn(f.x, f.y);
+        memcpy(&h[j], &r, 4);
+      }
+      ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+    }
+    dst[i] = v;
+    if (out) out[i] = v;
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (threadIdx.x % 32 == 0) partial[warp] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < warps; ++w) total += partial[w];
+  const float rstd = rsqrtf(total / float(p.K) + p.eps);
+  const auto* gr = reinterpret_cast<const uint4*>(p.gamma);
+  for (int i = threadIdx.x; i < k8; i += blockDim.x) {
+    uint4 v = dst[i];
+    const uint4 gv = __ldg(gr + i);
+    uint32_t* h = reinterpret_cast<uint32_t*>(&v);
+    const uint32_t* g = reinterpret_cast<const uint32_t*>(&gv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(as_h2(h[j])), gf = __half22float2(as_h2(g[j]));
+      const __half2 r = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
+      memcpy(&h[j], &r, 4);
+    }
+    dst[i] = v;
+  }
+  __syncthreads();  // dst complete; `partial` free for the next row
+}
+
+template <int MR, bool Q4, int NW, int ROWS, int U, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(GemvProblem p, int m0, int m_count) {
+  extern __shared__ uint4 x_norm[];  // NORM: the MR normalized rows of x, [MR][K / 8]
+  allow_next_kernel();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = (blockIdx.x * kWarps + warp) * ROWS;
-  if (n0 >= p.N) return;
+  const bool active = n0 < p.N;  // idle warps still take part in the block's norm
   constexpr int E = Q4 ? 32 : 8;  // K elements per 16-byte weight load
   const int chunks = p.K / E;
   const size_t row_bytes = Q4 ? size_t(p.K) / 2 : size_t(p.K) * 2;
@@ -83,10 +154,36 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(GemvProblem p, int m0
       wrow[w][r] = reinterpret_cast<const uint4*>(static_cast<const char*>(p.w[w]) + n * row_bytes);
       srow[w][r] = Q4 ? p.scales[w] + size_t(n) * blocks_per_row : nullptr;
     }
+
+  // U steps of weights (and int4 scales) in registers: the first are loaded before waiting for x.
+  uint4 wv[U][NW][ROWS];
+  __half sv[U][NW][ROWS];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * 32 + lane;
+      const bool in = active && c < chunks;
+#pragma unroll
+      for (int w = 0; w < NW; ++w)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          wv[u][w][r] = in ? load_stream(wrow[w][r] + c) : make_uint4(0, 0, 0, 0);
+          if constexpr (Q4) sv[u][w][r] = in ? __ldg(srow[w][r] + c * E / p.block_size) : __half(0.f);
+        }
+    }
+  };
+  load(0);
+  wait_for_previous_kernel();
+  const int k8 = p.K / 8;
+  if constexpr (NORM) {
+    for (int m = 0; m < MR; ++m) rmsnorm_row(p, m0 + min(m, m_count - 1), x_norm + m * k8, blockIdx.x == 0 && m < m_count);
+  }
+  if (!active) return;
   const uint4* xrow[MR];
 #pragma unroll
   for (int m = 0; m < MR; ++m)
-    xrow[m] = reinterpret_cast<const uint4*>(p.x + size_t(m0 + min(m, m_count - 1)) * p.K);
+    xrow[m] = NORM ? x_norm + m * k8 : reinterpret_cast<const uint4*>(p.x + size_t(m0 + min(m, m_count - 1)) * p.K);
+  auto x_at = [&](int m, int i) { return NORM ? x_norm[m * k8 + i] : __ldg(xrow[m] + i); };
 
   float acc[NW][ROWS][MR];
 #pragma unroll
@@ -97,16 +194,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(GemvProblem p, int m0
       for (int m = 0; m < MR; ++m) acc[w][r][m] = 0.f;
 
   for (int c0 = 0; c0 < chunks; c0 += 32 * U) {
-    uint4 wv[U][NW][ROWS];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * 32 + lane;
-#pragma unroll
-      for (int w = 0; w < NW; ++w)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-          wv[u][w][r] = c < chunks ? load_stream(wrow[w][r] + c) : make_uint4(0, 0, 0, 0);
-    }
+    if (c0 > 0) load(c0);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * 32 + lane;
@@ -114,19 +202,18 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(GemvProblem p, int m0
       if constexpr (!Q4) {
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-          const uint4 xv = __ldg(xrow[m] + c);
+          const uint4 xv = x_at(m, c);
 #pragma unroll
           for (int w = 0; w < NW; ++w)
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[w][r][m] = dot8(xv, wv[u][w][r], acc[w][r][m]);
         }
       } else {
-        const int blk = c * E / p.block_size;
         __half2 s2[NW][ROWS];
 #pragma unroll
         for (int w = 0; w < NW; ++w)
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) s2[w][r] = __half2half2(srow[w][r][blk]);
+          for (int r = 0; r < ROWS; ++r) s2[w][r] = __half2half2(sv[u][w][r]);
         const uint32_t* words[NW][ROWS];
 #pragma unroll
         for (int w = 0; w < NW; ++w)
@@ -142,7 +229,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(GemvProblem p, int m0
 #pragma unroll
           for (int m = 0; m < MR; ++m) {
             __half2 xp[4];
-            pair8(__ldg(xrow[m] + c * 4 + i), xp);
+            pair8(x_at(m, c * 4 + i), xp);
 #pragma unroll
             for (int w = 0; w < NW; ++w)
 #pragma unroll
@@ -181,13 +268,49 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(GemvProblem p, int m0
   }
 }
 
+// One block per row: the norm alone (fused ops whose product runs in cuBLAS).
+__global__ void __launch_bounds__(256) rmsnorm_kernel(GemvProblem p, __half* xn) {
+  wait_for_previous_kernel();
+  rmsnorm_row(p, blockIdx.x, reinterpret_cast<uint4*>(xn + size_t(blockIdx.x) * p.K), true);
+}
+
+bool g_pdl = false;  // set by gemv_prepare
+
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, size_t smem, cudaStream_t stream,
+                   Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// The fused norm keeps MR rows of x in shared memory: rows per launch so that fits the default 48 KiB.
+constexpr size_t kNormSmem = 48 << 10;
+
+int rows_per_launch(const GemvProblem& p) {
+  if (p.gamma == nullptr) return kGemvMaxRows;
+  for (int rows = kGemvMaxRows; rows > 1; rows /= 2)
+    if (size_t(rows) * p.K * sizeof(__half) <= kNormSmem) return rows;
+  return 1;
+}
+
 template <int MR, bool Q4, int NW, int ROWS>
 cudaError_t launch_rows(const GemvProblem& p, int m0, int m_count, cudaStream_t stream) {
   constexpr int U = Q4 ? 2 : 4;
   const int warps = (p.N + ROWS - 1) / ROWS;
   const int blocks = (warps + kWarps - 1) / kWarps;
-  gemv_kernel<MR, Q4, NW, ROWS, U><<<blocks, kWarps * 32, 0, stream>>>(p, m0, m_count);
-  return cudaGetLastError();
+  if (p.gamma)
+    return launch(gemv_kernel<MR, Q4, NW, ROWS, U, true>, blocks, kWarps * 32, size_t(MR) * p.K * sizeof(__half),
+                  stream, p, m0, m_count);
+  return launch(gemv_kernel<MR, Q4, NW, ROWS, U, false>, blocks, kWarps * 32, 0, stream, p, m0, m_count);
 }
 
 // Rows per warp: enough warps to cover the GPU (~2k), then more rows per warp so x is reused.
@@ -236,12 +359,34 @@ const char* gemv_check(const GemvProblem& p) {
     if (reinterpret_cast<uintptr_t>(p.w[w]) % 16 != 0) return "weights must be 16-byte aligned";
   }
   if (reinterpret_cast<uintptr_t>(p.x) % 16 != 0) return "x must be 16-byte aligned";
+  if (p.gamma) {
+    if (size_t(p.K) * sizeof(__half) > kNormSmem) return "K is too large for the fused norm (at most 24576)";
+    for (const void* ptr : {static_cast<const void*>(p.gamma), static_cast<const void*>(p.skip),
+                            static_cast<const void*>(p.sum_out)})
+      if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return "norm inputs and outputs must be 16-byte aligned";
+    if (p.skip != nullptr && p.sum_out == nullptr) return "a skip input needs a sum output";
+  } else if (p.skip != nullptr) {
+    return "a skip input needs gamma";
+  }
   return "";
 }
 
+void gemv_prepare() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int device = 0, major = 0;
+    const char* env = std::getenv("ES_ORT_OPS_PDL");
+    g_pdl = cudaGetDevice(&device) == cudaSuccess &&
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
+            !(env && std::strcmp(env, "0") == 0);
+    (void)cudaGetLastError();
+  });
+}
+
 cudaError_t gemv_launch(const GemvProblem& p, cudaStream_t stream) {
-  for (int m0 = 0; m0 < p.M; m0 += kGemvMaxRows) {
-    const int m_count = std::min(kGemvMaxRows, p.M - m0);
+  const int rows = rows_per_launch(p);
+  for (int m0 = 0; m0 < p.M; m0 += rows) {
+    const int m_count = std::min(rows, p.M - m0);
     const cudaError_t err = p.q4 ? launch_chunk<true>(p, m0, m_count, stream)
                                  : launch_chunk<false>(p, m0, m_count, stream);
     if (err != cudaSuccess) return err;
@@ -261,6 +406,30 @@ void gemv_reference(const GemvProblem& p) {
   const int nb = p.q4 ? p.K / p.block_size : 0;
   std::vector<float> xf(size_t(p.M) * p.K), row[2] = {std::vector<float>(p.K), std::vector<float>(p.K)};
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = lut[x[i]];
+  if (p.gamma) {  // the folded RMSNorm, rounded as the kernel rounds (gemv.h)
+    auto to_half = [](float v) {
+      const __half h = __float2half_rn(v);
+      uint16_t bits;
+      memcpy(&bits, &h, 2);
+      return bits;
+    };
+    const auto* skip = reinterpret_cast<const uint16_t*>(p.skip);
+    const auto* gamma = reinterpret_cast<const uint16_t*>(p.gamma);
+    auto* sum_out = reinterpret_cast<uint16_t*>(p.sum_out);
+    for (int m = 0; m < p.M; ++m) {
+      float* r = &xf[size_t(m) * p.K];
+      float ss = 0.f;
+      for (int k = 0; k < p.K; ++k) {
+        const float s = r[k] + (skip ? lut[skip[size_t(m) * p.K + k]] : 0.f);
+        ss += s * s;
+        const uint16_t h = to_half(s);
+        if (skip) sum_out[size_t(m) * p.K + k] = h;
+        r[k] = lut[h];
+      }
+      const float rstd = 1.f / std::sqrt(ss / float(p.K) + p.eps);
+      for (int k = 0; k < p.K; ++k) r[k] = lut[to_half(r[k] * rstd * lut[gamma[k]])];
+    }
+  }
   for (int n = 0; n < p.N; ++n) {
     for (int w = 0; w < nw; ++w) {  // row n of W, dequantized
       for (int k = 0; k < p.K; ++k) {
@@ -282,6 +451,10 @@ void gemv_reference(const GemvProblem& p) {
       memcpy(&y[size_t(m) * p.N + n], &h, 2);
     }
   }
+}
+
+cudaError_t rmsnorm_launch(const GemvProblem& p, __half* xn, cudaStream_t stream) {
+  return launch(rmsnorm_kernel, p.M, 256, 0, stream, p, xn);
 }
 
 __global__ void swiglu_combine_kernel(__half* gate_out, const __half* up, size_t count) {

@@ -48,6 +48,7 @@ enum Slot : int {
   kGetDimensionsCount = 61,
   kGetDimensions = 62,
   kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeFloat = 85,
   kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetInputCount = 88,
   kKernelContextGetInput = 90,
@@ -95,6 +96,9 @@ class Api {
   }
   void ReleaseTensorTypeAndShapeInfo(OrtTensorTypeAndShapeInfo* i) const {
     fn<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(i);
+  }
+  OrtStatus* KernelInfoGetAttributeFloat(const OrtKernelInfo* info, const char* name, float* out) const {
+    return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name, out);
   }
   OrtStatus* KernelInfoGetAttributeInt64(const OrtKernelInfo* info, const char* name, int64_t* out) const {
     return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(

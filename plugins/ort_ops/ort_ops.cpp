@@ -6,6 +6,11 @@
 //   GemvQ4(x, B, scales; K, N, block_size)            y = x · Wᵀ, W int4 as MatMulNBits (symmetric)
 //   SwiGluGemvQ4(x, Bg, Sg, Bu, Su; K, N, block_size)
 //
+// and each with the decoder's RMSNorm before it folded in (epsilon attribute; see gemv.h):
+//   RmsNorm<op>(x, gamma, <weights>)              the product of rms_norm(x) * gamma
+//   SkipRmsNorm<op>(x, skip, gamma, <weights>)    the same of x + skip; second output: x + skip
+// (inputs as com.microsoft.SkipSimplifiedLayerNormalization's, outputs y and the residual sum).
+//
 // Each op has a CUDA kernel (CUDAExecutionProvider, on ORT's compute stream, so it can be captured in
 // a CUDA graph) and a CPU kernel (the reference, so the graph runs and is checked on ORT CPU).
 // fp16 calls with kCublasMinRows rows of x or more (prefill, batched decode) go to cuBLAS (loaded with
@@ -39,31 +44,27 @@ const Api* g_api = nullptr;
 constexpr int kCublasMinRows = 5;
 constexpr size_t kCublasWorkspace = 32 << 20;  // bytes
 
-enum class Kind { kGemv, kSwiGlu, kGemvQ4, kSwiGluQ4 };
+enum class Norm { kNone, kRms, kSkipRms };
 
 struct OpDef {
   CustomOp op;  // first member: ORT hands the CustomOp* back to the callbacks
-  const char* name;
+  std::string name;
   const char* provider;
-  Kind kind;
+  bool q4, swiglu;
+  Norm norm;
   bool cuda;
 };
 
-bool quantized(Kind k) { return k == Kind::kGemvQ4 || k == Kind::kSwiGluQ4; }
-bool swiglu(Kind k) { return k == Kind::kSwiGlu || k == Kind::kSwiGluQ4; }
-size_t input_count(Kind k) {
-  switch (k) {
-    case Kind::kGemv: return 2;
-    case Kind::kSwiGlu: return 3;
-    case Kind::kGemvQ4: return 3;
-    case Kind::kSwiGluQ4: return 5;
-  }
-  return 0;
-}
+// Inputs: x, then skip (SkipRmsNorm) and gamma (both norms), then the weights.
+size_t norm_inputs(const OpDef& d) { return d.norm == Norm::kSkipRms ? 2 : d.norm == Norm::kRms ? 1 : 0; }
+size_t first_weight(const OpDef& d) { return 1 + norm_inputs(d); }
+size_t input_count(const OpDef& d) { return first_weight(d) + (d.q4 ? 2 : 1) * (d.swiglu ? 2 : 1); }
+size_t output_count(const OpDef& d) { return d.norm == Norm::kSkipRms ? 2 : 1; }
 
 struct Kernel {
   const OpDef* def;
   int64_t K = 0, N = 0, block_size = 0;  // int4 ops: from the node's attributes
+  float eps = 0.f;                        // norm ops: the epsilon attribute
 };
 
 OrtStatus* error(const std::string& msg) { return g_api->CreateStatus(kInvalidArgument, msg.c_str()); }
@@ -153,7 +154,7 @@ OrtStatus* cublas_gemm(const __half* x, const void* w, __half* y, int M, int N, 
 }
 
 OrtStatus* cuda_status(const Kernel& k, cudaError_t err) {
-  return err == cudaSuccess ? nullptr : error(std::string(k.def->name) + ": " + cudaGetErrorString(err));
+  return err == cudaSuccess ? nullptr : error(k.def->name + ": " + cudaGetErrorString(err));
 }
 
 OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx) {
@@ -166,28 +167,38 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
   // int4 always runs the GEMV kernel (chunks of kGemvMaxRows rows): a dequantize + cuBLAS path gave
   // wrong prefill logits on the H200 and was taken out until that is understood.
   if (p.q4 || p.M < kCublasMinRows) return cuda_status(k, enginesmith::gemv_launch(p, stream));
-  OrtStatus* status = cublas_gemm(p.x, p.w[0], p.y, p.M, p.N, p.K, stream);
-  if (status || !p.swiglu) return status;
-  __half* up = nullptr;  // SwiGLU: the up product in a stream-ordered temporary, then the epilogue
-  if (cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&up), size_t(p.M) * p.N * sizeof(__half), stream))
-    return cuda_status(k, err);
-  status = cublas_gemm(p.x, p.w[1], up, p.M, p.N, p.K, stream);
-  const cudaError_t err = status ? cudaSuccess : enginesmith::swiglu_combine(p.y, up, size_t(p.M) * p.N, stream);
-  cudaFreeAsync(up, stream);
+  // Stream-ordered temporaries (capturable): the normalized x of a norm op, the up product of a SwiGLU.
+  __half* xn = nullptr;
+  __half* up = nullptr;
+  auto temp = [&](__half** ptr, size_t elems) {
+    return cudaMallocAsync(reinterpret_cast<void**>(ptr), elems * sizeof(__half), stream);
+  };
+  OrtStatus* status = nullptr;
+  cudaError_t err = cudaSuccess;
+  if (p.gamma && (err = temp(&xn, size_t(p.M) * p.K)) == cudaSuccess) err = enginesmith::rmsnorm_launch(p, xn, stream);
+  const __half* x = xn ? xn : p.x;
+  if (err == cudaSuccess) status = cublas_gemm(x, p.w[0], p.y, p.M, p.N, p.K, stream);
+  if (err == cudaSuccess && !status && p.swiglu && (err = temp(&up, size_t(p.M) * p.N)) == cudaSuccess) {
+    status = cublas_gemm(x, p.w[1], up, p.M, p.N, p.K, stream);
+    if (!status) err = enginesmith::swiglu_combine(p.y, up, size_t(p.M) * p.N, stream);
+  }
+  if (up) cudaFreeAsync(up, stream);
+  if (xn) cudaFreeAsync(xn, stream);
   return status ? status : cuda_status(k, err);
 }
 
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<Kernel*>(kernel_ptr);
-  const Kind kind = k.def->kind;
-  const std::string_view op = k.def->name;  // strings are built only on the error paths
-  std::vector<Tensor> in(input_count(kind));
+  const OpDef& d = *k.def;
+  const std::string& op = d.name;  // strings are built only on the error paths
+  std::vector<Tensor> in(input_count(d));
   for (size_t i = 0; i < in.size(); ++i) ORT_TRY(read_input(ctx, i, &in[i]));
   const Tensor& x = in[0];
-  if (x.type != kFloat16 || x.dims.empty()) return error(std::string(op) + ": x must be a float16 tensor [..., K]");
+  if (x.type != kFloat16 || x.dims.empty()) return error(op + ": x must be a float16 tensor [..., K]");
   GemvProblem p;
-  p.q4 = quantized(kind);
-  p.swiglu = swiglu(kind);
+  p.q4 = d.q4;
+  p.swiglu = d.swiglu;
+  const size_t w0 = first_weight(d);
   p.K = int(x.dims.back());
   int64_t M = 1;
   for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
@@ -195,30 +206,47 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
   const int nw = p.swiglu ? 2 : 1;
   if (!p.q4) {
     for (int w = 0; w < nw; ++w) {
-      const Tensor& t = in[1 + w];
-      if (t.type != kFloat16 || t.dims.size() != 2 || t.dims[1] != p.K || (w == 1 && t.dims[0] != in[1].dims[0]))
-        return error(std::string(op) + ": weights must be float16 [N, K] with K = " + std::to_string(p.K));
+      const Tensor& t = in[w0 + w];
+      if (t.type != kFloat16 || t.dims.size() != 2 || t.dims[1] != p.K || (w == 1 && t.dims[0] != in[w0].dims[0]))
+        return error(op + ": weights must be float16 [N, K] with K = " + std::to_string(p.K));
       p.w[w] = t.data;
     }
-    p.N = int(in[1].dims[0]);
+    p.N = int(in[w0].dims[0]);
   } else {
-    if (p.K != k.K) return error(std::string(op) + ": x has K = " + std::to_string(p.K) + ", the node says " + std::to_string(k.K));
+    if (p.K != k.K) return error(op + ": x has K = " + std::to_string(p.K) + ", the node says " + std::to_string(k.K));
     p.N = int(k.N);
     p.block_size = int(k.block_size);
     for (int w = 0; w < nw; ++w) {
-      const Tensor& b = in[1 + 2 * w];
-      const Tensor& s = in[2 + 2 * w];
+      const Tensor& b = in[w0 + 2 * w];
+      const Tensor& s = in[w0 + 1 + 2 * w];
       int64_t b_elems = 1, s_elems = 1;
       for (int64_t d : b.dims) b_elems *= d;
       for (int64_t d : s.dims) s_elems *= d;
       if (b.type != kUint8 || b_elems != k.N * k.K / 2 || s.type != kFloat16 || s_elems != k.N * (k.K / k.block_size))
-        return error(std::string(op) + ": packed weights must be uint8 [N, K/block_size, block_size/2] and scales float16 "
+        return error(op + ": packed weights must be uint8 [N, K/block_size, block_size/2] and scales float16 "
                           "[N, K/block_size]");
       p.w[w] = b.data;
       p.scales[w] = static_cast<const __half*>(s.data);
     }
   }
   p.x = static_cast<const __half*>(x.data);
+  if (d.norm != Norm::kNone) {
+    const Tensor& gamma = in[w0 - 1];
+    if (gamma.type != kFloat16 || gamma.dims.size() != 1 || gamma.dims[0] != p.K)
+      return error(op + ": gamma must be float16 [K] with K = " + std::to_string(p.K));
+    p.gamma = static_cast<const __half*>(gamma.data);
+    p.eps = k.eps;
+    if (d.norm == Norm::kSkipRms) {
+      const Tensor& skip = in[1];
+      if (skip.type != kFloat16 || skip.dims != x.dims) return error(op + ": skip must be float16 with x's shape");
+      p.skip = static_cast<const __half*>(skip.data);
+      OrtValue* sum = nullptr;
+      ORT_TRY(g_api->KernelContextGetOutput(ctx, 1, x.dims.data(), x.dims.size(), &sum));
+      void* sum_data = nullptr;
+      ORT_TRY(g_api->GetTensorMutableData(sum, &sum_data));
+      p.sum_out = static_cast<__half*>(sum_data);
+    }
+  }
   std::vector<int64_t> out_dims(x.dims.begin(), x.dims.end() - 1);
   out_dims.push_back(p.N);
   OrtValue* out = nullptr;
@@ -227,8 +255,8 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
   ORT_TRY(g_api->GetTensorMutableData(out, &y));
   p.y = static_cast<__half*>(y);
   if (p.M == 0) return nullptr;
-  if (const char* why = enginesmith::gemv_check(p); *why) return error(std::string(op) + ": " + why);
-  if (k.def->cuda) return run_cuda(k, p, ctx);
+  if (const char* why = enginesmith::gemv_check(p); *why) return error(op + ": " + why);
+  if (d.cuda) return run_cuda(k, p, ctx);
   enginesmith::gemv_reference(p);
   return nullptr;
 }
@@ -237,9 +265,23 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
 const OpDef& def_of(const CustomOp* op) { return *reinterpret_cast<const OpDef*>(op); }
 
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
-  if (def_of(op).cuda && !quantized(def_of(op).kind)) cublas();  // at session start, not inside a capture
-  auto kernel = new Kernel{&def_of(op)};
-  if (quantized(kernel->def->kind)) {
+  const OpDef& d = def_of(op);
+  if (d.cuda) {  // at session start, not inside a capture
+    enginesmith::gemv_prepare();
+    if (!d.q4) cublas();
+  }
+  auto kernel = new Kernel{&d};
+  if (d.norm != Norm::kNone) {
+    if (OrtStatus* s = g_api->KernelInfoGetAttributeFloat(info, "epsilon", &kernel->eps)) {
+      delete kernel;
+      return s;
+    }
+    if (!(kernel->eps >= 0.f)) {
+      delete kernel;
+      return error(d.name + ": epsilon must be >= 0");
+    }
+  }
+  if (d.q4) {
     for (auto [name, dst] : {std::pair<const char*, int64_t*>{"K", &kernel->K}, {"N", &kernel->N},
                              {"block_size", &kernel->block_size}}) {
       if (OrtStatus* s = g_api->KernelInfoGetAttributeInt64(info, name, dst)) {
@@ -249,7 +291,7 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     }
     if (kernel->K <= 0 || kernel->N <= 0 || kernel->block_size <= 0) {
       delete kernel;
-      return error(std::string(def_of(op).name) + ": K, N and block_size must be positive");
+      return error(d.name + ": K, N and block_size must be positive");
     }
   }
   *out = kernel;
@@ -273,26 +315,29 @@ void compute_v1(void* kernel, OrtKernelContext* ctx) {
 }
 
 ElementType input_type(const CustomOp* op, size_t i) {
-  if (i == 0) return kFloat16;
-  if (!quantized(def_of(op).kind)) return kFloat16;
-  return (i % 2 == 1) ? kUint8 : kFloat16;  // B, scales, B, scales
+  const OpDef& d = def_of(op);
+  if (i < first_weight(d) || !d.q4) return kFloat16;
+  return ((i - first_weight(d)) % 2 == 0) ? kUint8 : kFloat16;  // B, scales, B, scales
 }
 
-OpDef make(const char* name, Kind kind, bool cuda) {
+OpDef make(bool swiglu, bool q4, Norm norm, bool cuda) {
   OpDef d{};
-  d.name = name;
-  d.kind = kind;
+  d.name = std::string(norm == Norm::kSkipRms ? "SkipRmsNorm" : norm == Norm::kRms ? "RmsNorm" : "") +
+           (swiglu ? "SwiGluGemv" : "Gemv") + (q4 ? "Q4" : "");
+  d.q4 = q4;
+  d.swiglu = swiglu;
+  d.norm = norm;
   d.cuda = cuda;
   d.provider = cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider";
   CustomOp& o = d.op;
   o.version = kApiVersion;
   o.CreateKernel = create_kernel_v1;
-  o.GetName = [](const CustomOp* op) { return def_of(op).name; };
+  o.GetName = [](const CustomOp* op) { return def_of(op).name.c_str(); };
   o.GetExecutionProviderType = [](const CustomOp* op) { return def_of(op).provider; };
   o.GetInputType = input_type;
-  o.GetInputTypeCount = [](const CustomOp* op) { return input_count(def_of(op).kind); };
+  o.GetInputTypeCount = [](const CustomOp* op) { return input_count(def_of(op)); };
   o.GetOutputType = [](const CustomOp*, size_t) { return kFloat16; };
-  o.GetOutputTypeCount = [](const CustomOp*) { return size_t(1); };
+  o.GetOutputTypeCount = [](const CustomOp* op) { return output_count(def_of(op)); };
   o.KernelCompute = compute_v1;
   o.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   o.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };
@@ -312,13 +357,11 @@ OpDef make(const char* name, Kind kind, bool cuda) {
 
 std::vector<OpDef>& ops() {
   static std::vector<OpDef> all = [] {
-    std::vector<OpDef> v;
-    for (bool cuda : {false, true}) {
-      v.push_back(make("Gemv", Kind::kGemv, cuda));
-      v.push_back(make("SwiGluGemv", Kind::kSwiGlu, cuda));
-      v.push_back(make("GemvQ4", Kind::kGemvQ4, cuda));
-      v.push_back(make("SwiGluGemvQ4", Kind::kSwiGluQ4, cuda));
-    }
+    std::vector<OpDef> v;  // built once, never resized after: the names' c_str() stay valid
+    for (bool cuda : {false, true})
+      for (Norm norm : {Norm::kNone, Norm::kRms, Norm::kSkipRms})
+        for (bool swiglu : {false, true})
+          for (bool q4 : {false, true}) v.push_back(make(swiglu, q4, norm, cuda));
     return v;
   }();
   return all;

@@ -131,6 +131,62 @@ def test_cpu_kernels_match_numpy_and_matmulnbits(ops_lib, m_shape):
     np.testing.assert_allclose(swiglu_q4, _silu(xf @ r["deq"].T) * (xf @ r["dequ"].T), rtol=5e-3, atol=5e-2)
 
 
+EPS = 0.25  # large, so a misread epsilon shows in the result
+
+
+def _norm_graph(rng, m_shape, n, k, bs):
+    """Every RmsNorm / SkipRmsNorm op on x (and skip), with numpy's view of the same weights."""
+    w, q, s, deq = _weights(rng, n, k, bs)
+    wu, qu, su, dequ = _weights(rng, n, k, bs)
+    gamma = (rng.random(k) + 0.5).astype(np.float16)
+    E = "com.enginesmith"
+    q4 = dict(K=k, N=n, block_size=bs)
+    weights = {"Gemv": ["w"], "SwiGluGemv": ["w", "wu"], "GemvQ4": ["b", "s"], "SwiGluGemvQ4": ["b", "s", "bu", "su"]}
+    nodes, outputs = [], []
+    for prefix, norm_in in (("RmsNorm", ["x", "gamma"]), ("SkipRmsNorm", ["x", "skip", "gamma"])):
+        for base, ws in weights.items():
+            op = prefix + base
+            outs = [op] + ([f"{op}_sum"] if prefix == "SkipRmsNorm" else [])
+            nodes.append(helper.make_node(op, norm_in + ws, outs, domain=E, epsilon=EPS,
+                                          **(q4 if base.endswith("Q4") else {})))
+            outputs += outs
+    inits = {"w": w, "wu": wu, "b": _pack(q, bs), "s": s.reshape(-1), "bu": _pack(qu, bs), "su": su.reshape(-1),
+             "gamma": gamma}
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(v, T.FLOAT16, list(m_shape) + [k]) for v in ("x", "skip")],
+        [helper.make_tensor_value_info(o, T.FLOAT16, None) for o in outputs],
+        [numpy_helper.from_array(a, name) for name, a in inits.items()])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(E, 1)])
+    refs = dict(Gemv=[w.astype(np.float32)], SwiGluGemv=[w.astype(np.float32), wu.astype(np.float32)],
+                GemvQ4=[deq], SwiGluGemvQ4=[deq, dequ])
+    return model, refs, gamma, outputs
+
+
+def _rms_norm(s, gamma):
+    """The ops' norm (plugins/ort_ops/gemv.h): fp32 sum and mean, the sum rounded to fp16 first."""
+    sh = s.astype(np.float16).astype(np.float32)
+    rstd = 1 / np.sqrt((s * s).mean(-1, keepdims=True) + EPS)
+    return (sh * rstd * gamma.astype(np.float32)).astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("m_shape", [(1, 1), (2, 3)])
+def test_norm_ops_match_numpy(ops_lib, m_shape):
+    rng = np.random.default_rng(2)
+    model, refs, gamma, names = _norm_graph(rng, m_shape, n=24, k=64, bs=32)
+    x = (rng.standard_normal(m_shape + (64,)) * 3).astype(np.float16)
+    skip = rng.standard_normal(m_shape + (64,)).astype(np.float16)
+    got = dict(zip(names, _session(model, ops_lib).run(None, {"x": x, "skip": skip})))
+    for prefix, s in (("RmsNorm", x.astype(np.float32)), ("SkipRmsNorm", x.astype(np.float32) + skip)):
+        xn = _rms_norm(s, gamma)
+        for base, ws in refs.items():
+            want = xn @ ws[0].T if len(ws) == 1 else _silu(xn @ ws[0].T) * (xn @ ws[1].T)
+            atol = 2e-2 if base.endswith("Q4") else 2e-3
+            np.testing.assert_allclose(got[prefix + base], want, rtol=5e-3, atol=atol, err_msg=prefix + base)
+            if prefix == "SkipRmsNorm":
+                np.testing.assert_array_equal(got[f"{prefix}{base}_sum"], s.astype(np.float16))
+
+
 def test_bad_inputs_are_named(ops_lib):
     rng = np.random.default_rng(1)
     _, q, s, _ = _weights(rng, 16, 64, 32)
@@ -142,6 +198,14 @@ def test_bad_inputs_are_named(ops_lib):
     bad_w = _model([helper.make_node("Gemv", ["x", "w"], ["y"], domain="com.enginesmith")], {"w": w}, [1, 64])
     with pytest.raises(Exception, match=r"weights must be float16 \[N, K\] with K = 64"):
         _session(bad_w, ops_lib).run(None, {"x": np.zeros((1, 64), np.float16)})
+    bad_gamma = _model([helper.make_node("RmsNormGemv", ["x", "g", "w"], ["y"], domain="com.enginesmith", epsilon=1e-5)],
+                       {"g": np.ones(32, np.float16), "w": np.zeros((16, 64), np.float16)}, [1, 64])
+    with pytest.raises(Exception, match=r"RmsNormGemv: gamma must be float16 \[K\] with K = 64"):
+        _session(bad_gamma, ops_lib).run(None, {"x": np.zeros((1, 64), np.float16)})
+    no_eps = _model([helper.make_node("RmsNormGemv", ["x", "g", "w"], ["y"], domain="com.enginesmith")],
+                    {"g": np.ones(64, np.float16), "w": np.zeros((16, 64), np.float16)}, [1, 64])
+    with pytest.raises(Exception, match="epsilon"):
+        _session(no_eps, ops_lib).run(None, {"x": np.zeros((1, 64), np.float16)})
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +241,13 @@ def test_pass_rewrites_every_linear_and_keeps_greedy_output(tiny_engines, quant)
     manifest = json.loads((tiny_engines[quant, True] / "build.json").read_text())
     counts = manifest["pass_counts"]["ort_gemv"]
     # tiny llama: 2 layers x (qkv, o, gate, up, down) + lm_head = 11 products, 2 SwiGLUs.
-    assert counts == ({"gemv": 11, "gemv_q4": 0, "swiglu": 2} if quant is None else
-                      {"gemv": 0, "gemv_q4": 11, "swiglu": 2})
+    # 5 RMSNorms (2 per layer, the final one) folded into the products after them.
+    assert counts == ({"gemv": 11, "gemv_q4": 0, "swiglu": 2, "norm": 5} if quant is None else
+                      {"gemv": 0, "gemv_q4": 11, "swiglu": 2, "norm": 5})
     ops = {n.op_type for n in onnx.load(str(tiny_engines[quant, True] / "model.onnx")).graph.node}
-    assert not ops & {"FusedMatMul", "MatMulNBits", "Sigmoid"}
+    assert not ops & {"FusedMatMul", "MatMulNBits", "Sigmoid", "SkipSimplifiedLayerNormalization", "RMSNormalization"}
+    q4 = "Q4" if quant else ""
+    assert {f"RmsNormGemv{q4}", f"SkipRmsNormSwiGluGemv{q4}", f"SkipRmsNormGemv{q4}"} <= ops
     assert _greedy(tiny_engines[quant, True], "cpu") == _greedy(tiny_engines[quant, False], "cpu")
 
 
@@ -204,6 +271,24 @@ def test_cuda_kernels_match_cpu_kernels(ops_lib, m, n, k, bs):
     want = _session(model, ops_lib).run(None, {"x": x})
     got = _session(model, ops_lib, cuda=True).run(None, {"x": x})
     for name, a, b in zip(("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits"), got, want):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("n,k,bs", [(2048, 2048, 128), (1000, 512, 32), (512, 16384, 64)])
+def test_cuda_norm_ops_match_cpu_kernels(ops_lib, m, n, k, bs):
+    """The folded norms on the GPU (in the GEMV kernel, or before cuBLAS from 5 rows on) vs the CPU."""
+    rng = np.random.default_rng(m + 7)
+    model, _, _, names = _norm_graph(rng, (1, m), n=n, k=k, bs=bs)
+    feeds = {"x": (rng.standard_normal((1, m, k)) * 3).astype(np.float16),
+             "skip": rng.standard_normal((1, m, k)).astype(np.float16)}
+    want = _session(model, ops_lib).run(None, feeds)
+    got = _session(model, ops_lib, cuda=True).run(None, feeds)
+    for name, a, b in zip(names, got, want):
         a, b = a.astype(np.float32), b.astype(np.float32)
         scale = max(1.0, float(np.abs(b).max()))
         assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)

@@ -143,15 +143,12 @@ class GqaEngine:
                 "device_id": device_id, "enable_cuda_graph": "1" if self.graph_mode == "ort" else "0",
                 "user_compute_stream": str(self.stream.cuda_stream)} | dict(provider_options or {}))]
         self.shared_stream = device == "cuda"  # ORT and torch enqueue on one stream: no syncs between
-        uses_ops = ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py
+        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py
         try:
             self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         except ort.capi.onnxruntime_pybind11_state.Fail:
             if device != "cuda":
                 raise
-            if uses_ops:  # the ops were only verified on a user compute stream (plugins/ort_ops/ort_ops.cpp)
-                raise UserError(f"{onnx_path}: ONNX Runtime refused this engine's compute stream, which the "
-                                "enginesmith GEMV ops need", "rebuild the engine with --custom-ops off")
             del providers[0][1]["user_compute_stream"]  # ORT's own stream; sync before each run
             self.shared_stream = False
             if self.graph_mode == "torch":  # capturing ORT's kernels needs them on our stream

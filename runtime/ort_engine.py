@@ -54,12 +54,7 @@ class OrtEngine:
             if hasattr(ort, "preload_dlls"):
                 ort.preload_dlls()
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
-        if ort_ops.register_for(opts, onnx_path) and self.device == "cuda":
-            # The ops run on CUDA only on a user compute stream (plugins/ort_ops/ort_ops.cpp), which
-            # runtime/ort_cuda.GqaEngine provides.
-            raise UserError(f"{onnx_path} uses enginesmith's GEMV ops: on CUDA open it with the GQA engine",
-                            "enginesmith.runtime.ort_cuda.open_gqa_engine (enginesmith run/bench do this for "
-                            "engines built with --for-cuda)")
+        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]

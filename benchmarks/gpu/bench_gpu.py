@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -116,30 +117,41 @@ def genai_build(script: Path, work: Path) -> dict:
     return {"pid": proc.pid}
 
 
+LLAMA_VARIANTS = ("fp16", "fp16ops", "fp16opsnonorm", "w4a16", "w4a16lm", "w4a16lmops", "w4a16lmopsnonorm")
+
+
 @section("llama1b")
-def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int) -> dict:
+def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int,
+            variants: tuple[str, ...] = LLAMA_VARIANTS, quick: bool = False) -> dict:
     from enginesmith.measure.speed import onnx_weight_bytes
     from enginesmith.runtime.ort_cuda import GqaEngine
 
     out = {}
-    for name in ("fp16", "fp16ops", "w4a16", "w4a16lm", "w4a16lmops"):
+    for name in variants:
         path = graphs / f"llama1b_{name}.onnx"
         if not path.exists():
             out[name] = {"error": f"{path} not carried or made"}
             continue
         weights = onnx_weight_bytes(path)
         out[name] = {"weight_bytes": weights}
-        for mode in (("torch", "ort", "none") if name == "fp16" else ("torch", "none")):
+        modes = ("torch", "ort", "none") if name == "fp16" else ("torch", "torch_nopdl", "none") \
+            if name.endswith("ops") else ("torch",) if name.endswith("nonorm") else ("torch", "none")
+        modes = modes[:1] if quick else modes
+        for mode in modes:
             t = time.time()
-            engine = GqaEngine(path, device="cuda", max_batch=16, capacity=512, cuda_graph=mode)
-            key = {"torch": "cuda_graph", "ort": "cuda_graph_ort_capture", "none": "no_cuda_graph"}[mode]
+            if mode == "torch_nopdl":  # the ops' programmatic dependent launches off (read at session creation)
+                os.environ["ES_ORT_OPS_PDL"] = "0"
+            engine = GqaEngine(path, device="cuda", max_batch=16, capacity=512, cuda_graph=mode.split("_")[0])
+            os.environ.pop("ES_ORT_OPS_PDL", None)
+            key = {"torch": "cuda_graph", "torch_nopdl": "cuda_graph_nopdl", "ort": "cuda_graph_ort_capture",
+                   "none": "no_cuda_graph"}[mode]
             r = ours(engine, 1, 128, new_tokens, warmup=2, reps=reps)
             r["session_s"] = round(time.time() - t, 1)
             r["graph_mode"] = engine.graph_mode
             if bandwidth:
                 r["bound"] = bound(weights, bandwidth, r["decode_tok_s"], 1, 128 + new_tokens // 2, 16, 8, 64)
             out[name][key] = r
-            if mode == "torch":
+            if mode == "torch" and not quick and not name.endswith("nonorm"):
                 b16 = ours(engine, 16, 128, 128, warmup=1, reps=max(2, reps // 2))
                 if bandwidth:
                     b16["bound"] = bound(weights, bandwidth, b16["decode_tok_s"], 16, 128 + 64, 16, 8, 64)
@@ -228,6 +240,7 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
             out[f"llama1b_{name}_s"] = round(time.time() - t, 1)
             if name != "w4a16" and ort_ops.available():
                 out[f"llama1b_{name}ops"] = with_ops(path)
+                out[f"llama1b_{name}opsnonorm"] = with_ops(path, norm=False)
     if smol:  # a lowered engine carried in (built where the lowering was checked) is used as is
         src = work / "smollm2_fp16"
         t = time.time()
@@ -242,18 +255,19 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     return out
 
 
-def with_ops(path: Path) -> dict:
-    """<name>ops.onnx beside `path`: the ort_gemv pass (enginesmith's GEMV ops) on its graph. Applied
+def with_ops(path: Path, norm: bool = True) -> dict:
+    """<name>ops.onnx beside `path` (<name>opsnonorm.onnx without folding the norms): the ort_gemv pass
+    (enginesmith's GEMV ops) on its graph. Applied
     directly, not through run_pipeline: the CPU check of a 1B graph with the ops' reference kernels
     would take minutes; tests/plugins/test_ort_ops.py checks the pass and the kernels."""
     import onnx_ir as ir
 
-    from enginesmith.passes.ort_gemv import ort_gemv
+    from enginesmith.passes.ort_gemv import OrtGemvParams, ort_gemv
 
     t = time.time()
-    dst = path.with_name(path.stem + "ops.onnx")
+    dst = path.with_name(path.stem + ("ops.onnx" if norm else "opsnonorm.onnx"))
     model = ir.load(str(path))
-    counts = ort_gemv(model).counts
+    counts = ort_gemv(model, OrtGemvParams(norm=norm)).counts
     ir.save(model, str(dst), external_data=dst.name + ".data")
     return {"counts": counts, "s": round(time.time() - t, 1)}
 
@@ -332,6 +346,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", default="", help="comma list of sections (default: all)")
+    ap.add_argument("--quick", action="store_true", help="llama1b: batch 1 with CUDA graphs only")
+    ap.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS), help="comma list of llama1b graphs")
     args = ap.parse_args(argv)
     OUT = args.out
     args.work.mkdir(parents=True, exist_ok=True)
@@ -344,7 +360,7 @@ def main(argv=None) -> int:
     prepare(args.graphs, args.work, want("smollm2") or want("smollm2_ngram"), want("llama1b"))
     _wait_genai_build()
     if want("llama1b"):
-        llama1b(args.graphs, bw, args.new_tokens, args.reps)
+        llama1b(args.graphs, bw, args.new_tokens, args.reps, tuple(args.llama_variants.split(",")), args.quick)
     _wait_genai_build()
     if want("hf"):
         hf(args.new_tokens, args.reps)

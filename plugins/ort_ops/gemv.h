@@ -41,8 +41,9 @@ constexpr int kGemvMaxRows = 4;
 // Empty string when the problem is valid for the kernels, else what is wrong.
 const char* gemv_check(const GemvProblem& p);
 
-// Once per process and device, outside any CUDA-graph capture (a kernel's creation): reads whether
-// the device takes programmatic dependent launches (sm_90+; ES_ORT_OPS_PDL=0 turns them off).
+// At a kernel's creation (outside any CUDA-graph capture): reads whether the device takes
+// programmatic dependent launches (sm_90+; ES_ORT_OPS_PDL=0 at session creation turns them off for the
+// launches from then on).
 void gemv_prepare();
 
 // Runs the problem on `stream` (any M: rows beyond kGemvMaxRows go in chunks). Returns the launch error.
@@ -51,6 +52,10 @@ cudaError_t gemv_launch(const GemvProblem& p, cudaStream_t stream);
 // Writes the normalized rows of p.x (and p.sum_out, see above) to xn [M, K]: the norm of a fused op
 // whose product runs elsewhere (cuBLAS).
 cudaError_t rmsnorm_launch(const GemvProblem& p, __half* xn, cudaStream_t stream);
+
+// w[N, K] fp16 = int4 weights of MatMulNBits' layout, dequantized (for calls that run a GEMM).
+cudaError_t dequant_q4(const void* packed, const __half* scales, __half* w, int N, int K, int block_size,
+                       cudaStream_t stream);
 
 // gate_out[i] = silu(gate_out[i]) * up[i]: the SwiGLU epilogue for calls that ran two GEMMs.
 cudaError_t swiglu_combine(__half* gate_out, const __half* up, size_t count, cudaStream_t stream);

@@ -13,12 +13,13 @@
 //
 // Each op has a CUDA kernel (CUDAExecutionProvider, on ORT's compute stream, so it can be captured in
 // a CUDA graph) and a CPU kernel (the reference, so the graph runs and is checked on ORT CPU).
-// fp16 calls with kCublasMinRows rows of x or more (prefill, batched decode) go to cuBLAS (loaded with
+// Calls with kCublasMinRows rows of x or more (prefill, batched decode) go to cuBLAS (loaded with
 // dlopen; its handle and a fixed workspace are made when a CUDA kernel is created, at session start,
-// so cuBLAS allocates nothing inside a CUDA-graph capture); int4 calls always run the GEMV kernel.
+// so cuBLAS allocates nothing inside a CUDA-graph capture); int4 weights are first dequantized, a
+// slice at a time, into a stream-ordered temporary (which a capture records as graph memory nodes).
 //
-// Verified on an H200 only with the session on a user compute stream (runtime/ort_cuda.GqaEngine sets
-// one): with ORT's own stream the launches failed with "invalid argument" (not understood).
+// The library carries its own static CUDA runtime (plugins/CMakeLists.txt says why). Verified on an
+// H200 on ORT's own compute stream and on a user stream.
 //
 // Load it with SessionOptions.register_custom_ops_library(path) (entry point RegisterCustomOps).
 #include <cuda_runtime.h>
@@ -27,7 +28,7 @@
 #include <cstdio>
 #include <mutex>
 #include <string>
-#include <string_view>
+#include <algorithm>
 #include <vector>
 
 #include "gemv.h"
@@ -138,8 +139,8 @@ Cublas& cublas() {
   return c;
 }
 
-// y[M, N] = x[M, K] · W[N, K]ᵀ; column-major cuBLAS sees yᵀ = W · xᵀ (W read transposed).
-OrtStatus* cublas_gemm(const __half* x, const void* w, __half* y, int M, int N, int K, cudaStream_t stream) {
+// y[M, N] (rows ldy apart) = x[M, K] · W[N, K]ᵀ; column-major cuBLAS sees yᵀ = W · xᵀ (W read transposed).
+OrtStatus* cublas_gemm(const __half* x, const void* w, __half* y, int M, int N, int K, int ldy, cudaStream_t stream) {
   Cublas& c = cublas();
   if (!c.problem.empty()) return error(c.problem);
   constexpr int kOpN = 0, kOpT = 1, kR16F = 2, kCompute32F = 68, kDefaultAlgo = -1;
@@ -148,7 +149,7 @@ OrtStatus* cublas_gemm(const __half* x, const void* w, __half* y, int M, int N, 
   // cublasSetStream drops a user workspace: set ours again (no allocation inside a graph capture).
   if (c.set_stream(c.handle, stream) != 0 || c.set_workspace(c.handle, c.workspace, kCublasWorkspace) != 0)
     return error("cublasSetStream/cublasSetWorkspace failed");
-  const int st = c.gemm_ex(c.handle, kOpT, kOpN, N, M, K, &alpha, w, kR16F, K, x, kR16F, K, &beta, y, kR16F, N,
+  const int st = c.gemm_ex(c.handle, kOpT, kOpN, N, M, K, &alpha, w, kR16F, K, x, kR16F, K, &beta, y, kR16F, ldy,
                            kCompute32F, kDefaultAlgo);
   return st == 0 ? nullptr : error("cublasGemmEx failed with status " + std::to_string(st));
 }
@@ -157,33 +158,46 @@ OrtStatus* cuda_status(const Kernel& k, cudaError_t err) {
   return err == cudaSuccess ? nullptr : error(k.def->name + ": " + cudaGetErrorString(err));
 }
 
+// int4 weights for a GEMM are dequantized in slices of at most this many values (a bounded temporary).
+constexpr size_t kDequantSlice = size_t(16) << 20;
+
 OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx) {
   void* stream_ptr = nullptr;
   ORT_TRY(g_api->KernelContextGetGPUComputeStream(ctx, &stream_ptr));
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  // cudaGetLastError after a launch also returns an earlier, unrelated error of this thread's runtime
-  // (ORT leaves some unchecked): clear it first so a launch is judged on its own.
-  (void)cudaGetLastError();
-  // int4 always runs the GEMV kernel (chunks of kGemvMaxRows rows): a dequantize + cuBLAS path gave
-  // wrong prefill logits on the H200 and was taken out until that is understood.
-  if (p.q4 || p.M < kCublasMinRows) return cuda_status(k, enginesmith::gemv_launch(p, stream));
-  // Stream-ordered temporaries (capturable): the normalized x of a norm op, the up product of a SwiGLU.
-  __half* xn = nullptr;
-  __half* up = nullptr;
+  (void)cudaGetLastError();  // a launch is judged on its own error only
+  if (p.M < kCublasMinRows) return cuda_status(k, enginesmith::gemv_launch(p, stream));
+  // GEMM path, with stream-ordered temporaries (capturable): the normalized x of a norm op, the up
+  // product of a SwiGLU, a slice of dequantized int4 weights.
+  const int nw = p.swiglu ? 2 : 1;
+  const int slice_rows = p.q4 ? int(std::max<size_t>(1, std::min<size_t>(p.N, kDequantSlice / p.K))) : p.N;
+  __half *xn = nullptr, *up = nullptr, *wq = nullptr;
   auto temp = [&](__half** ptr, size_t elems) {
     return cudaMallocAsync(reinterpret_cast<void**>(ptr), elems * sizeof(__half), stream);
   };
   OrtStatus* status = nullptr;
   cudaError_t err = cudaSuccess;
   if (p.gamma && (err = temp(&xn, size_t(p.M) * p.K)) == cudaSuccess) err = enginesmith::rmsnorm_launch(p, xn, stream);
+  if (err == cudaSuccess && p.swiglu) err = temp(&up, size_t(p.M) * p.N);
+  if (err == cudaSuccess && p.q4) err = temp(&wq, size_t(slice_rows) * p.K);
   const __half* x = xn ? xn : p.x;
-  if (err == cudaSuccess) status = cublas_gemm(x, p.w[0], p.y, p.M, p.N, p.K, stream);
-  if (err == cudaSuccess && !status && p.swiglu && (err = temp(&up, size_t(p.M) * p.N)) == cudaSuccess) {
-    status = cublas_gemm(x, p.w[1], up, p.M, p.N, p.K, stream);
-    if (!status) err = enginesmith::swiglu_combine(p.y, up, size_t(p.M) * p.N, stream);
+  for (int w = 0; w < nw && err == cudaSuccess && !status; ++w) {
+    __half* out = w == 0 ? p.y : up;
+    for (int n0 = 0; n0 < p.N && err == cudaSuccess && !status; n0 += slice_rows) {
+      const int rows = std::min(slice_rows, p.N - n0);
+      const void* weights = p.w[w];
+      if (p.q4) {
+        err = enginesmith::dequant_q4(static_cast<const uint8_t*>(p.w[w]) + size_t(n0) * (p.K / 2),
+                                      p.scales[w] + size_t(n0) * (p.K / p.block_size), wq, rows, p.K,
+                                      p.block_size, stream);
+        weights = wq;
+      }
+      if (err == cudaSuccess) status = cublas_gemm(x, weights, out + n0, p.M, rows, p.K, p.N, stream);
+    }
   }
-  if (up) cudaFreeAsync(up, stream);
-  if (xn) cudaFreeAsync(xn, stream);
+  if (err == cudaSuccess && !status && p.swiglu) err = enginesmith::swiglu_combine(p.y, up, size_t(p.M) * p.N, stream);
+  for (__half* t : {wq, up, xn})
+    if (t) cudaFreeAsync(t, stream);
   return status ? status : cuda_status(k, err);
 }
 
@@ -268,7 +282,7 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
   const OpDef& d = def_of(op);
   if (d.cuda) {  // at session start, not inside a capture
     enginesmith::gemv_prepare();
-    if (!d.q4) cublas();
+    cublas();
   }
   auto kernel = new Kernel{&d};
   if (d.norm != Norm::kNone) {

@@ -96,8 +96,8 @@ _STREAMS = []
 
 
 def _session(model, ops_lib, cuda=False):
-    """A CPU session, or a CUDA one on a user compute stream (as GqaEngine runs the ops; on ORT's own
-    stream their launches failed on the H200, see plugins/ort_ops/ort_ops.cpp)."""
+    """A CPU session, or with cuda="user" a CUDA one on a user compute stream (as GqaEngine runs), with
+    cuda="ort" on ORT's own stream (as OrtEngine runs)."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.register_custom_ops_library(str(ops_lib))
@@ -107,8 +107,11 @@ def _session(model, ops_lib, cuda=False):
 
         if hasattr(ort, "preload_dlls"):
             ort.preload_dlls()
-        _STREAMS.append(torch.cuda.Stream())  # kept alive for the session's lifetime
-        providers = [("CUDAExecutionProvider", {"device_id": 0, "user_compute_stream": str(_STREAMS[-1].cuda_stream)})]
+        options = {"device_id": 0}
+        if cuda == "user":
+            _STREAMS.append(torch.cuda.Stream())  # kept alive for the session's lifetime
+            options["user_compute_stream"] = str(_STREAMS[-1].cuda_stream)
+        providers = [("CUDAExecutionProvider", options)]
     return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
 
 
@@ -264,12 +267,13 @@ def test_engine_without_the_library_names_it(tiny_engines, monkeypatch, tmp_path
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 20])
 @pytest.mark.parametrize("n,k,bs", [(2048, 2048, 128), (1000, 512, 32), (3072, 8192, 64)])
-def test_cuda_kernels_match_cpu_kernels(ops_lib, m, n, k, bs):
+@pytest.mark.parametrize("stream", ["user", "ort"])
+def test_cuda_kernels_match_cpu_kernels(ops_lib, m, n, k, bs, stream):
     rng = np.random.default_rng(m)
     model, _ = _ops_graph(rng, (1, m), n=n, k=k, bs=bs)
     x = rng.standard_normal((1, m, k)).astype(np.float16)
     want = _session(model, ops_lib).run(None, {"x": x})
-    got = _session(model, ops_lib, cuda=True).run(None, {"x": x})
+    got = _session(model, ops_lib, cuda=stream).run(None, {"x": x})
     for name, a, b in zip(("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits"), got, want):
         a, b = a.astype(np.float32), b.astype(np.float32)
         scale = max(1.0, float(np.abs(b).max()))
@@ -280,14 +284,15 @@ def test_cuda_kernels_match_cpu_kernels(ops_lib, m, n, k, bs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("n,k,bs", [(2048, 2048, 128), (1000, 512, 32), (512, 16384, 64)])
-def test_cuda_norm_ops_match_cpu_kernels(ops_lib, m, n, k, bs):
+@pytest.mark.parametrize("stream", ["user", "ort"])
+def test_cuda_norm_ops_match_cpu_kernels(ops_lib, m, n, k, bs, stream):
     """The folded norms on the GPU (in the GEMV kernel, or before cuBLAS from 5 rows on) vs the CPU."""
     rng = np.random.default_rng(m + 7)
     model, _, _, names = _norm_graph(rng, (1, m), n=n, k=k, bs=bs)
     feeds = {"x": (rng.standard_normal((1, m, k)) * 3).astype(np.float16),
              "skip": rng.standard_normal((1, m, k)).astype(np.float16)}
     want = _session(model, ops_lib).run(None, feeds)
-    got = _session(model, ops_lib, cuda=True).run(None, feeds)
+    got = _session(model, ops_lib, cuda=stream).run(None, feeds)
     for name, a, b in zip(names, got, want):
         a, b = a.astype(np.float32), b.astype(np.float32)
         scale = max(1.0, float(np.abs(b).max()))

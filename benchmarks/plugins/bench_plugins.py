@@ -2,6 +2,7 @@
 
   python benchmarks/plugins/bench_plugins.py --out results.json [--quick] [--skip-sparse] [--skip-attention]
       [--reduce single,two] [--contexts 1024,8192] [--batches 1,4] [--sweep-splits [--split-counts 0,16,33]]
+      [--no-host-loop]
 
 Paged attention (decode and short multi-token queries): time, max error against torch SDPA on the
 same keys/values laid out contiguously, effective bandwidth (KV bytes read / time) as a % of the
@@ -10,6 +11,14 @@ Sparse GEMM (2:4, fp16): Y = X·Wᵀ for K, N in {2048, 4096, 8192, 14336}, M in
 dense torch.matmul vs ours (cuSPARSELt, default and tuned algorithm) vs torch's
 to_sparse_semi_structured; the per-shape profitability table goes into the same JSON.
 Every figure names the device it was measured on.
+
+Timing: every kernel figure ("ms") is GPU time per call with 20 calls captured in one CUDA graph
+and the replays timed with CUDA events, as decode runs in production (TensorRT enqueue, ORT CUDA
+graphs); a row's "timing" says "graph", or "eager (capture failed: ...)" if capture failed (also
+listed in "graph_capture_failures"). Attention rows also carry the per-call host-loop figure
+("ms_host_loop", "pct_of_copy_bw_host_loop": each call launched from Python through ctypes, CUDA
+events around the loop, so the host launch path bounds small calls; "host_us_per_call": its host wall
+time per launch); --no-host-loop skips it. Their outputs are checked as the timed graph wrote them.
 
 --reduce compares how split-K partials are merged, in one run: `single` (the last block of each
 (sequence, KV head) merges them; one kernel, itself a programmatic dependent launch on sm_90),
@@ -48,36 +57,11 @@ reference = _load("reference")
 profitability = _load("profitability")
 
 
-def cuda_time_ms(fn, reps: int = 20, samples: int = 5) -> float:
-    """Median per-call GPU time. The calls are captured in a CUDA graph (reps calls per replay) so
-    that Python/ctypes launch overhead does not hide the kernels' time; eager timing if capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    graph = None
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-    except Exception as exc:  # noqa: BLE001 - fall back to eager launches, and say so
-        print(f"graph capture failed ({exc}); timing eagerly", flush=True)
-        graph = None
-        torch.cuda.synchronize()
+# Graph captures that failed (and were timed eagerly instead), for the JSON.
+CAPTURE_FAILURES: list[str] = []
 
-    def run():
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(reps):
-                fn()
 
-    run()
-    torch.cuda.synchronize()
+def _median_event_ms(run, reps: int, samples: int) -> float:
     times = []
     for _ in range(samples):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,6 +72,75 @@ def cuda_time_ms(fn, reps: int = 20, samples: int = 5) -> float:
         times.append(start.elapsed_time(end) / reps)
     times.sort()
     return times[len(times) // 2]
+
+
+def graph_time_ms(fn, reps: int = 20, samples: int = 5):
+    """(median per-call GPU time in ms, how it was timed, replay): `reps` calls of fn are captured
+    in one CUDA graph (fn launches on torch.cuda.current_stream(), the capture stream) and the graph
+    replays are timed with CUDA events, so Python/ctypes launch overhead is not counted -- the way
+    decode runs in production (TensorRT enqueue / ORT inside CUDA graphs). `how` is "graph", or
+    "eager (capture failed: ...)" when capture failed and the calls were timed as a host loop.
+    `replay()` runs the reps calls once more (the graph, or the eager loop).
+    fn must not allocate: its outputs and workspaces are preallocated; it is run once before the
+    capture (lazy one-time setup, e.g. the kernels' shared-memory attribute) and once on a side stream."""
+    fn()
+    torch.cuda.synchronize()
+    graph, how = None, "graph"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except Exception as exc:  # noqa: BLE001 - fall back to eager launches, and say so (row + JSON)
+        how = f"eager (capture failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__})"
+        print(f"graph capture failed ({exc}); timing eagerly", flush=True)
+        CAPTURE_FAILURES.append(how)
+        graph = None
+        torch.cuda.synchronize()
+
+    def replay():
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(reps):
+                fn()
+
+    replay()
+    torch.cuda.synchronize()
+    return _median_event_ms(replay, reps, samples), how, replay
+
+
+def cuda_time_ms(fn, reps: int = 20, samples: int = 5) -> float:
+    """Median per-call GPU time over CUDA-graph replays (graph_time_ms; eager if capture fails)."""
+    return graph_time_ms(fn, reps, samples)[0]
+
+
+def host_loop_time(fn, reps: int = 20, samples: int = 5) -> tuple[float, float]:
+    """(ms per call on the GPU clock, host us per call) when each call is launched from Python (ctypes)
+    one after another, as the earlier benchmark figure did: CUDA events around `reps` eager calls.
+    For small calls the host launch path (Python, ctypes, one or two cudaLaunchKernelEx) bounds it,
+    not the kernels. The host figure is wall time per call of the launching loop."""
+    fn()
+    torch.cuda.synchronize()
+    host = []
+
+    def loop():
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host.append((time.perf_counter() - t) / reps * 1e6)
+
+    loop()
+    torch.cuda.synchronize()
+    host.clear()
+    ms = _median_event_ms(loop, reps, samples)
+    host.sort()
+    return ms, host[len(host) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -124,22 +177,34 @@ REDUCE_VARIANTS = {
 }
 
 
-def time_modes(make_op, run, modes, rounds: int = 2):
-    """{mode: ms}: per mode the best of `rounds` median graph-replay times, the modes interleaved so
-    that drift on a shared machine hits them alike; and {mode: op}."""
+def time_modes(make_op, run, modes, rounds: int = 2, host_loop: bool = False):
+    """Per mode the best of `rounds` median graph-replay times (ms), the modes interleaved so that
+    drift on a shared machine hits them alike. Returns (times, ops, info): info[mode] holds "timing"
+    (how the graph figure was taken), "replay" (runs the timed calls once more) and, with host_loop,
+    "host_loop_ms" / "host_us_per_call" (each call launched from Python; host_loop_time)."""
     ops = {}
     for m in modes:
         reduce, pdl = REDUCE_VARIANTS[m]
         ops[m] = make_op(reduce, pdl)
     times = {m: float("inf") for m in modes}
+    info = {m: {} for m in modes}
     for _ in range(rounds):
         for m in modes:
             op = ops[m]
-            times[m] = min(times[m], cuda_time_ms(lambda: run(op, m)))
-    return times, ops
+            fn = lambda op=op, m=m: run(op, m)  # noqa: E731 - bound now: replay() may call it later
+            ms, how, replay = graph_time_ms(fn)
+            if ms < times[m]:
+                times[m] = ms
+                info[m].update(timing=how, replay=replay)
+            if host_loop:
+                hl_ms, host_us = host_loop_time(fn)
+                if hl_ms < info[m].get("host_loop_ms", float("inf")):
+                    info[m].update(host_loop_ms=hl_ms, host_us_per_call=host_us)
+    return times, ops, info
 
 
-def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, dtype=torch.float16, modes=("auto",)):
+def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, dtype=torch.float16, modes=("auto",),
+                    host_loop: bool = True):
     H, Hkv, D = shape
     rows = []
     for ctx_len in contexts:
@@ -156,11 +221,19 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
                 tables = torch.randperm(nb, generator=g).to(torch.int32).view(B, pages).cuda()
                 ctx = torch.full((B,), ctx_len, dtype=torch.int32, device="cuda")
                 q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype)
+                # Everything the timed calls touch exists before the capture: outputs here, the
+                # workspace, split counters and error flag in kernels.PagedAttention.__init__.
                 outs = {m: torch.empty_like(q) for m in modes}
-                times, ops = time_modes(
+                times, ops, info = time_modes(
                     lambda reduce, pdl: kernels.PagedAttention(q, k_cache, v_cache, tables, reduce=reduce,
                                                                dependent_launch=pdl),
-                    lambda op, m: op(q, k_cache, v_cache, tables, ctx, outs[m]), modes)
+                    lambda op, m: op(q, k_cache, v_cache, tables, ctx, outs[m]), modes, host_loop=host_loop)
+                # The error below is of what the timed graph itself wrote (outputs poisoned first), so
+                # a capture that recorded no kernels shows up as NaN.
+                for m in modes:
+                    outs[m].fill_(float("nan"))
+                    info[m]["replay"]()
+                torch.cuda.synchronize()
                 # Same keys/values, contiguous [B, Hkv, ctx, D], for SDPA (GQA without copying heads).
                 kc = k_cache[tables.long()].reshape(B, pages * block_size, Hkv, D)[:, :ctx_len].transpose(1, 2).contiguous()
                 vc = v_cache[tables.long()].reshape(B, pages * block_size, Hkv, D)[:, :ctx_len].transpose(1, 2).contiguous()
@@ -179,20 +252,32 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
                 sdpa_ms = cuda_time_ms(sdpa)
                 for m in modes:
                     ms = times[m]
-                    rows.append({
+                    row = {
                         "H": H, "Hkv": Hkv, "D": D, "block_size": block_size, "dtype": str(dtype).split(".")[-1],
                         "batch": B, "context": ctx_len, "query_len": Sq, "splits": ops[m].splits, "reduce": m,
+                        # "ms" is the graph figure (GPU time per call, 20 calls per graph replay).
+                        "timing": info[m]["timing"],
                         "ms": round(ms, 5), "kv_bytes": kv_bytes,
                         "bandwidth_GBps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
                         "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1),
+                    }
+                    if "host_loop_ms" in info[m]:  # per call, each launched from Python (ctypes)
+                        hl = info[m]["host_loop_ms"]
+                        row.update({
+                            "ms_host_loop": round(hl, 5),
+                            "pct_of_copy_bw_host_loop": round(100 * kv_bytes / (hl * 1e-3) / copy_bw, 1),
+                            "host_us_per_call": round(info[m]["host_us_per_call"], 2),
+                        })
+                    row.update({
                         "max_err_vs_sdpa": (outs[m].float() - ref.float()).abs().max().item(),
                         "max_diff_vs_first_mode": (outs[m].float() - outs[modes[0]].float()).abs().max().item(),
                         "sdpa_ms": round(sdpa_ms, 5),
                         "sdpa_pct_of_copy_bw": round(100 * kv_bytes / (sdpa_ms * 1e-3) / copy_bw, 1),
                         "speedup_vs_sdpa": round(sdpa_ms / ms, 2),
                     })
+                    rows.append(row)
                     print(json.dumps(rows[-1]), flush=True)
-                del k_cache, v_cache, kc, vc, ops, outs, ref
+                del k_cache, v_cache, kc, vc, ops, outs, ref, info
                 torch.cuda.empty_cache()
     return rows
 
@@ -206,6 +291,9 @@ def reduce_comparison(rows):
         line[f"ms_{r['reduce']}"] = r["ms"]
         line[f"pct_{r['reduce']}"] = r["pct_of_copy_bw"]
         line[f"splits_{r['reduce']}"] = r["splits"]
+        if "ms_host_loop" in r:
+            line[f"ms_host_loop_{r['reduce']}"] = r["ms_host_loop"]
+            line[f"pct_host_loop_{r['reduce']}"] = r["pct_of_copy_bw_host_loop"]
         line["sdpa_ms"] = r["sdpa_ms"]
     lines = list(table.values())
     for line in lines:
@@ -230,14 +318,14 @@ def sweep_splits(contexts, split_counts, copy_bw, shape=(32, 8, 128), block_size
         kv_bytes = 2 * ctx_len * Hkv * D * 2
         out = torch.empty_like(q)
         for splits in split_counts:
-            times, ops = time_modes(
+            times, ops, info = time_modes(
                 lambda reduce, pdl: kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits=splits,
                                                            reduce=reduce, dependent_launch=pdl),
                 lambda op, m: op(q, k_cache, v_cache, tables, ctx, out), modes)
             for m in modes:
                 ms = times[m]
                 rows.append({"context": ctx_len, "requested_splits": splits, "splits": ops[m].splits, "reduce": m,
-                             "ms": round(ms, 5), "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1)})
+                             "timing": info[m]["timing"], "ms": round(ms, 5), "pct_of_copy_bw": round(100 * kv_bytes / (ms * 1e-3) / copy_bw, 1)})
                 print(json.dumps(rows[-1]), flush=True)
         del k_cache, v_cache
         torch.cuda.empty_cache()
@@ -349,6 +437,8 @@ def main() -> None:
                          + ", ".join(REDUCE_VARIANTS) + " (see the module doc)")
     ap.add_argument("--contexts", help="decode grid: comma-separated context lengths (default 1k-32k)")
     ap.add_argument("--batches", help="decode grid: comma-separated batch sizes (default 1,4,16,64)")
+    ap.add_argument("--no-host-loop", action="store_true",
+                    help="attention: skip the per-call host-loop figure (ms_host_loop); the graph figure (ms) is always taken")
     ap.add_argument("--tune", action="store_true",
                     help="also time cuSPARSELt's algorithm search (it failed and broke the CUDA context on an H200)")
     ap.add_argument("--probe", choices=["torch", "tune"], help=argparse.SUPPRESS)
@@ -366,6 +456,12 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     result = {
         "reduce_modes": list(modes),
+        "timing": {
+            "ms": "GPU time per call: 20 calls captured in one CUDA graph, median of 5 replays timed with CUDA "
+                  "events (best of 2 rounds for attention); a row's 'timing' says 'graph' or why it fell back to eager",
+            "ms_host_loop": "per call when each call is launched from Python (ctypes) in a loop, CUDA events around "
+                            "20 calls (host launch path included); host_us_per_call: host wall time per launch",
+        },
         "ES_PAGED_ATTENTION_REDUCE": os.environ.get("ES_PAGED_ATTENTION_REDUCE"),
         "sparse_layout": os.environ.get("ES_SPARSE_LAYOUT", "row"),
         "kernels_lib": str(kernels.library_path()),
@@ -389,11 +485,15 @@ def main() -> None:
             contexts = [int(x) for x in args.contexts.split(",")]
         if args.batches:
             batches = [int(x) for x in args.batches.split(",")]
-        rows = bench_attention((32, 8, 128), contexts, batches, [1], 16, copy_bw, modes=modes)
+        rows = bench_attention((32, 8, 128), contexts, batches, [1], 16, copy_bw, modes=modes,
+                               host_loop=not args.no_host_loop)
         if not args.quick and not args.decode_only:
-            rows += bench_attention((32, 8, 128), [1024, 8192, 32768], [1, 16], [4, 16], 16, copy_bw, modes=modes)
-            rows += bench_attention((32, 8, 128), [8192, 32768], [1, 16], [1], 64, copy_bw, modes=modes)
-            rows += bench_attention((9, 3, 64), [1024, 8192, 32768], [1, 16, 64], [1], 16, copy_bw, modes=modes)
+            rows += bench_attention((32, 8, 128), [1024, 8192, 32768], [1, 16], [4, 16], 16, copy_bw, modes=modes,
+                                   host_loop=not args.no_host_loop)
+            rows += bench_attention((32, 8, 128), [8192, 32768], [1, 16], [1], 64, copy_bw, modes=modes,
+                                   host_loop=not args.no_host_loop)
+            rows += bench_attention((9, 3, 64), [1024, 8192, 32768], [1, 16, 64], [1], 16, copy_bw, modes=modes,
+                                   host_loop=not args.no_host_loop)
         result["paged_attention"] = rows
         result["reduce_comparison"] = reduce_comparison(rows)
     if not args.skip_sparse:
@@ -401,11 +501,22 @@ def main() -> None:
         rows = bench_sparse(sizes, [1, 16, 256, 2048], tune=args.tune)
         result["sparse_gemm"] = rows
         result["sparse_profitability"] = profitability.table_from_benchmark(rows, props.name)
+    result["graph_capture_failures"] = CAPTURE_FAILURES
+    if CAPTURE_FAILURES:
+        print(f"WARNING: {len(CAPTURE_FAILURES)} graph capture(s) failed; those figures are eager", flush=True)
+    if result.get("reduce_comparison"):  # a compact table at the end of the log
+        print("attention, per call: graph = GPU time in a CUDA graph (20 calls per replay); "
+              "host loop = each call launched from Python; % = of copy bandwidth", flush=True)
     for line in result.get("reduce_comparison", []):
-        if len(modes) > 1:  # a compact side-by-side table at the end of the log
-            print("B={batch} ctx={context} Sq={query_len} D={D} BS={block_size}: ".format(**line) + "  ".join(
-                f"{m} {line[f'ms_{m}'] * 1e3:.1f}us {line[f'pct_{m}']}%" for m in modes) +
-                f"  sdpa {line['sdpa_ms'] * 1e3:.1f}us", flush=True)
+        cells = []
+        for m in modes:
+            cell = f"{m} graph {line[f'ms_{m}'] * 1e3:.1f}us {line[f'pct_{m}']}%"
+            if f"ms_host_loop_{m}" in line:
+                cell += f" | host loop {line[f'ms_host_loop_{m}'] * 1e3:.1f}us {line[f'pct_host_loop_{m}']}%"
+            cells.append(cell)
+        print("B={batch} ctx={context} Sq={query_len} D={D} BS={block_size} splits={s}: ".format(
+            s=line[f"splits_{modes[0]}"], **line) + "   ".join(cells) + f"   sdpa graph {line['sdpa_ms'] * 1e3:.1f}us",
+            flush=True)
     result["seconds"] = round(time.time() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

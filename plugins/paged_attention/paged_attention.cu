@@ -140,7 +140,14 @@ int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads,
     const int base = batch * num_kv_heads * row_blocks;
     const int want = std::max(1, std::max(slots, 1) / base);  // at most one full wave
     const int by_len = std::max(1, max_blocks_per_seq * block_size / kMinTokensPerSplit);
-    return std::max(1, std::min({want, by_len, kMaxSplits}));
+    const int splits = std::max(1, std::min({want, by_len, kMaxSplits}));
+    // The kernel gives each split whole kTileTokens tiles (ceil(ctx / splits) rounded up), so at the
+    // table's full length some trailing splits may get no tokens (33 wanted at 8k-32k on an H200 ->
+    // 32 used): drop them (no empty blocks, one partial fewer per row for the reduce). Never more
+    // than before, and monotone in `slots`, so workspace_bound still covers every launch.
+    const int tokens = max_blocks_per_seq * block_size;
+    const int per_split = ceil_div(ceil_div(tokens, splits), kTileTokens) * kTileTokens;
+    return std::max(1, std::min(splits, ceil_div(tokens, per_split)));
 }
 
 size_t workspace_size(int batch, int query_len, int num_heads, int head_size, int num_splits) {
@@ -248,7 +255,7 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
         pdl[0].val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t config = {};
         config.gridDim = dim3(rows);
-        config.blockDim = dim3(128);
+        config.blockDim = dim3(detail::kReduceThreads);
         config.dynamicSmemBytes = 0;
         config.stream = stream;
         config.attrs = pdl;

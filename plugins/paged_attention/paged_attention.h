@@ -117,7 +117,8 @@ Status check_config(DType dtype, int head_size, int block_size, int num_heads, i
 Status resident_slots(DType dtype, int head_size, int block_size, int* slots);
 
 // The split count the launcher uses when Params::num_splits == 0: about one full wave of blocks
-// (`slots`, from resident_slots), at least kMinTokensPerSplit tokens per split. It depends only on
+// (`slots`, from resident_slots), at least kMinTokensPerSplit tokens per split, less any trailing
+// splits that whole-tile split ranges would leave empty at the table's full length. It depends only on
 // host-known shapes (the block table width bounds the context), so the TensorRT wrapper can size its
 // workspace from the profile's maximum shapes.
 int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,

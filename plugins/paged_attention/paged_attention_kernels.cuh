@@ -23,6 +23,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/mma.cuh"
 #include "paged_attention.h"
@@ -491,73 +492,116 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         min(kRowsPerCta, rows_total - row0));
 }
 
-// Merge the splits of one output row (b, s, h) per block: the 4 warps take every 4th split (all
-// loads independent, so many are in flight), then sum through shared memory.
+// Merge the splits of one output row (b, s, h) per block. The kReduceWarps warps take every
+// kReduceWarps-th split; a warp issues the lse and partial-output loads of up to kReduceChunk of its
+// splits together, so up to kReduceWarps * kReduceChunk (32) splits cost one L2 round trip (the
+// earlier loop read the lse first, then the partials four splits at a time: ~4 round trips at 32
+// splits, most of the batch-1 reduce time). Each warp merges its splits online (running max, fixed
+// order), then the warps are merged in warp order through shared memory: deterministic.
+// 128 threads at <= 64 registers (launch bounds: 8 blocks/SM) so that, launched as a programmatic
+// dependent, its blocks fit beside two resident split-kernel blocks (D = 128: 2 x 128 x 224
+// registers of the 64K) and wait there for the split kernel instead of being scheduled after it.
+constexpr int kReduceWarps = 4;
+constexpr int kReduceThreads = kReduceWarps * 32;
+constexpr int kReduceChunk = 8;
+
 template <typename T, int D>
-__global__ void __launch_bounds__(128) paged_attention_reduce_kernel(Params p, int num_rows, int num_splits) {
-    constexpr int kReduceWarps = 4;
+__global__ void __launch_bounds__(kReduceThreads, 8) paged_attention_reduce_kernel(Params p, int num_rows, int num_splits) {
     constexpr int V = D / 32;  // floats per lane
     static_assert(V == 2 || V == 4, "reduce handles D = 64 or 128");
+    using Vec = typename std::conditional<V == 4, float4, float2>::type;
     __shared__ float s_max[kReduceWarps];
-    __shared__ int s_nan[kReduceWarps];
     __shared__ float s_sum[kReduceWarps];
+    __shared__ int s_nan[kReduceWarps];
     __shared__ __align__(16) float s_acc[kReduceWarps][D];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
+    // Let the next kernel in the stream (launched as a programmatic dependent, e.g. the next call's
+    // split kernel) be scheduled now; it waits (griddepcontrol.wait) for this grid to finish before
+    // its first global read, so nothing it reads or writes can race with this merge.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     const int row = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= num_rows) return;
+    if (row >= num_rows) return;  // the whole block (grid = num_rows)
     float const* lse = p.partial_lse + static_cast<size_t>(row) * num_splits;
+    float const* po = p.partial_out + static_cast<size_t>(row) * num_splits * D + lane * V;
 
-    float mx = -INFINITY;
-    int any_nan = 0;
-    for (int i = threadIdx.x; i < num_splits; i += blockDim.x) {
-        const float v = lse[i];
-        any_nan |= isnan(v);
-        mx = fmaxf(mx, v);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-    any_nan = __any_sync(0xffffffff, any_nan);
-    if (lane == 0) {
-        s_max[warp] = mx;
-        s_nan[warp] = any_nan;
-    }
-    __syncthreads();
-    mx = fmaxf(fmaxf(s_max[0], s_max[1]), fmaxf(s_max[2], s_max[3]));
-    any_nan = s_nan[0] | s_nan[1] | s_nan[2] | s_nan[3];
-
+    // The partials were written by the split kernel's blocks on other SMs: read them through L2.
+    float m = -INFINITY;  // running max of this warp's lse (log2 domain)
+    float sum = 0.f;      // Σ 2^(lse_i - m)
     float acc[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[v] = 0.f;
-    float sum = 0.f;
-    if (mx != -INFINITY && !any_nan) {
-        float const* po = p.partial_out + static_cast<size_t>(row) * num_splits * D + lane * V;
-#pragma unroll 4
-        for (int i = warp; i < num_splits; i += kReduceWarps) {
-            const float w = exp2f(lse[i] - mx);  // an empty split has lse = -inf: weight 0, output 0
-            sum += w;
-            if constexpr (V == 4) {
-                const float4 o = *reinterpret_cast<float4 const*>(po + static_cast<size_t>(i) * D);
-                acc[0] += w * o.x; acc[1] += w * o.y; acc[2] += w * o.z; acc[3] += w * o.w;
+    int any_nan = 0;
+    for (int base = warp; base < num_splits; base += kReduceWarps * kReduceChunk) {
+        float x[kReduceChunk];
+        Vec o[kReduceChunk];
+#pragma unroll
+        for (int u = 0; u < kReduceChunk; ++u) {
+            const int i = base + u * kReduceWarps;
+            if (i < num_splits) {
+                x[u] = __ldcg(lse + i);
+                o[u] = __ldcg(reinterpret_cast<Vec const*>(po + static_cast<size_t>(i) * D));
             } else {
-                const float2 o = *reinterpret_cast<float2 const*>(po + static_cast<size_t>(i) * D);
-                acc[0] += w * o.x; acc[1] += w * o.y;
+                x[u] = -INFINITY;  // weight 0
             }
         }
+        float cm = m;
+#pragma unroll
+        for (int u = 0; u < kReduceChunk; ++u) {
+            any_nan |= isnan(x[u]);
+            cm = fmaxf(cm, x[u]);  // fmaxf ignores a NaN; the flag poisons the row below
+        }
+        if (cm == -INFINITY) continue;  // only empty splits so far (lse = -inf: weight 0)
+        const float alpha = exp2f(m - cm);  // 0 while m = -inf
+        sum *= alpha;
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[v] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kReduceChunk; ++u) {
+            if (!(x[u] > -INFINITY)) continue;  // empty split, padding, or NaN (flagged)
+            const float w = exp2f(x[u] - cm);
+            sum += w;
+            acc[0] += w * o[u].x;
+            acc[1] += w * o[u].y;
+            if constexpr (V == 4) {
+                acc[2] += w * o[u].z;
+                acc[3] += w * o[u].w;
+            }
+        }
+        m = cm;
     }
+    any_nan = __any_sync(0xffffffff, any_nan);  // uniform per warp already (every lane read the same lse)
 #pragma unroll
     for (int v = 0; v < V; ++v) s_acc[warp][lane * V + v] = acc[v];
-    if (lane == 0) s_sum[warp] = sum;
+    if (lane == 0) {
+        s_max[warp] = m;
+        s_sum[warp] = sum;
+        s_nan[warp] = any_nan;
+    }
     __syncthreads();
     if (threadIdx.x < D / 2) {
+        float mx = -INFINITY;
+        int nan = 0;
+#pragma unroll
+        for (int w = 0; w < kReduceWarps; ++w) {
+            mx = fmaxf(mx, s_max[w]);
+            nan |= s_nan[w];
+        }
         const int d = threadIdx.x * 2;
-        const float total = s_sum[0] + s_sum[1] + s_sum[2] + s_sum[3];
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        float a = (s_acc[0][d] + s_acc[1][d] + s_acc[2][d] + s_acc[3][d]) * inv;
-        float c = (s_acc[0][d + 1] + s_acc[1][d + 1] + s_acc[2][d + 1] + s_acc[3][d + 1]) * inv;
-        if (any_nan) a = c = __int_as_float(0x7fc00000);
+        float total = 0.f, a = 0.f, c = 0.f;
+#pragma unroll
+        for (int w = 0; w < kReduceWarps; ++w) {
+            const float f = s_max[w] == -INFINITY ? 0.f : exp2f(s_max[w] - mx);
+            total += s_sum[w] * f;
+            a += s_acc[w][d] * f;
+            c += s_acc[w][d + 1] * f;
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;  // all splits empty: zeros
+        a *= inv;
+        c *= inv;
+        if (nan) a = c = __int_as_float(0x7fc00000);
         *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + static_cast<size_t>(row) * D + d) = ptx::pack2<T>(a, c);
     }
 }

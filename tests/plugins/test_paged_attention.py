@@ -135,6 +135,76 @@ def test_single_kernel_merge_is_deterministic_and_graph_safe(kernels_lib):
     assert int(op.error_flag.item()) == 0
 
 
+@pytest.mark.parametrize("splits", [31, 32, 33, 65])
+def test_reduce_kernel_split_counts_around_its_chunks(kernels_lib, splits):
+    """The reduce kernel loads 32 splits per round (4 warps x 8): counts on both sides of 32 and 64,
+    with the last splits empty (a context shorter than the table)."""
+    import torch
+
+    for contexts in ([8192], [5000, 8192, 77]):
+        err, flag = _run_case(torch, torch.float16, 128, 16, 32, 8, 1, contexts, splits, reduce="two")
+        assert flag == 0 and err < 2e-3, (splits, contexts, err)
+    err, flag = _run_case(torch, torch.bfloat16, 64, 32, 9, 3, 5, [3000, 40], splits, reduce="two")
+    assert flag == 0 and err < TOL["bfloat16"], (splits, err)
+
+
+@pytest.mark.parametrize("context", [1024, 8192, 16384, 32768, 20000])
+def test_default_splits_leave_no_split_empty(kernels_lib, context):
+    """The launcher's split count gives every split some tokens at the table's full length (whole
+    64-token tiles per split), and the answer is right."""
+    import torch
+
+    block_size = 16
+    op = kernels.PagedAttention(torch.zeros(1, 1, 32, 128, dtype=torch.float16, device="cuda"),
+                                torch.zeros(1, block_size, 8, 128, dtype=torch.float16, device="cuda"),
+                                torch.zeros(1, block_size, 8, 128, dtype=torch.float16, device="cuda"),
+                                torch.zeros(1, (context + block_size - 1) // block_size, dtype=torch.int32,
+                                            device="cuda"))
+    tokens = (context + block_size - 1) // block_size * block_size
+    per_split = math.ceil(math.ceil(tokens / op.splits) / 64) * 64  # the kernel's whole-tile split range
+    assert (op.splits - 1) * per_split < tokens, (op.splits, per_split)
+    err, flag = _run_case(torch, torch.float16, 128, block_size, 32, 8, 1, [context], 0, reduce="two")
+    assert flag == 0 and err < 2e-3, err
+
+
+def test_two_kernel_merge_back_to_back_in_a_graph(kernels_lib):
+    """Calls that share one workspace, back to back in a CUDA graph (each split kernel a programmatic
+    dependent of the previous call's reduce kernel, which lets it be scheduled early): alternating
+    inputs, so a split kernel overwriting partials the previous reduce still reads would show."""
+    import torch
+
+    q, k_cache, v_cache, tables, ctx = _decode_setup(torch)
+    q2 = torch.randn_like(q)
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, 0, reduce="two")
+    assert op.splits > 1
+    outs = [torch.empty_like(q) for _ in range(4)]
+    qs = [q, q2, q, q2]
+    want = [op(qi, k_cache, v_cache, tables, ctx).clone() for qi in (q, q2)]
+    for i in range(4):
+        op(qs[i], k_cache, v_cache, tables, ctx, outs[i])
+        assert torch.equal(outs[i], want[i % 2])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(q, k_cache, v_cache, tables, ctx, outs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(4):
+            op(qs[i], k_cache, v_cache, tables, ctx, outs[i])
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(4):
+            assert torch.equal(outs[i], want[i % 2]), i
+    ref = reference.paged_attention(q2, k_cache, v_cache, tables, ctx)
+    assert (outs[1].float() - ref).abs().max().item() < 2e-3
+    assert int(op.error_flag.item()) == 0
+
+
 def test_single_kernel_merge_without_counters_is_an_error(kernels_lib):
     import torch
 

@@ -335,8 +335,8 @@ cudaError_t launch_rows(const GemvProblem& p, int m0, int m_count, cudaStream_t 
 template <int MR, bool Q4>
 cudaError_t launch_m(const GemvProblem& p, int m0, int m_count, cudaStream_t stream) {
   if (p.swiglu) {
-    // int4 SwiGLU: two rows per warp at every N. The one-row instance failed to launch on the H200
-    // ("invalid argument", then "device kernel image is invalid"; not understood, not yet retried).
+    // int4 SwiGLU: two rows per warp at every N. (A one-row instance once failed to launch on the
+    // H200, most likely the duplicate CUDA runtime that plugins/CMakeLists.txt now avoids; not retried.)
     if constexpr (Q4) return launch_rows<MR, Q4, 2, 2>(p, m0, m_count, stream);
     return launch_rows<MR, Q4, 2, 1>(p, m0, m_count, stream);
   }
@@ -495,13 +495,13 @@ __global__ void dequant_q4_kernel(const uint32_t* packed, const __half* scales, 
       const size_t i = row + j;
       const __half2 s2 = __half2half2(scales[size_t(n) * blocks_per_row + j / words_per_block]);
       __half2 v[4];
-      dequant8(packed[i], s2, v);  // pairs (e_t, e_{t+4})
-      __half out[8];
-      for (int t = 0; t < 4; ++t) {
-        out[t] = __low2half(v[t]);
-        out[t + 4] = __high2half(v[t]);
-      }
-      memcpy(&w[i], out, 16);
+      dequant8(__ldg(packed + i), s2, v);  // pairs (e_t, e_{t+4})
+      uint32_t u[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) memcpy(&u[t], &v[t], 4);
+      // back to e0..e7: the low halves of the pairs, then the high halves
+      w[i] = make_uint4(__byte_perm(u[0], u[1], 0x5410), __byte_perm(u[2], u[3], 0x5410),
+                        __byte_perm(u[0], u[1], 0x7632), __byte_perm(u[2], u[3], 0x7632));
     }
   }
 }

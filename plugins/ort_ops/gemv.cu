@@ -75,6 +75,14 @@ __device__ __forceinline__ void dequant8(uint32_t q, __half2 s2, __half2 out[4])
   }
 }
 
+// int4 word -> 4 half2 of (q - 8), exact small integers, paired as in dequant8: the GEMV applies the
+// block's scale once per 32 values (in fp32) instead of once per value.
+__device__ __forceinline__ void offsets8(uint32_t q, __half2 out[4]) {
+  const __half2 bias = __float2half2_rn(1032.f);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = __hsub2(as_h2(((q >> (4 * j)) & 0x000F000Fu) | 0x64006400u), bias);
+}
+
 // x[0:8] as the pairs dequant8 produces: (x0,x4), (x1,x5), (x2,x6), (x3,x7).
 __device__ __forceinline__ void pair8(const uint4& xv, __half2 out[4]) {
   out[0] = as_h2(__byte_perm(xv.x, xv.z, 0x5410));
@@ -227,11 +235,14 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
             for (int r = 0; r < ROWS; ++r) acc[w][r][m] = dot8(xv, wv[u][w][r], acc[w][r][m]);
         }
       } else {
-        __half2 s2[NW][ROWS];
+        // Σ x·(q-8) of each word in fp16 (8 values: |sum| <= 64·max|x|), then × scale in fp32.
+        float dot[NW][ROWS][MR];
 #pragma unroll
         for (int w = 0; w < NW; ++w)
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) s2[w][r] = __half2half2(sv[u][w][r]);
+          for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < MR; ++m) dot[w][r][m] = 0.f;
         const uint32_t* words[NW][ROWS];
 #pragma unroll
         for (int w = 0; w < NW; ++w)
@@ -243,7 +254,7 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
 #pragma unroll
           for (int w = 0; w < NW; ++w)
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) dequant8(words[w][r][i], s2[w][r], wq[w][r]);
+            for (int r = 0; r < ROWS; ++r) offsets8(words[w][r][i], wq[w][r]);
 #pragma unroll
           for (int m = 0; m < MR; ++m) {
             __half2 xp[4];
@@ -257,10 +268,18 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
                 part = __hfma2(xp[2], wq[w][r][2], part);
                 part = __hfma2(xp[3], wq[w][r][3], part);
                 const float2 f = __half22float2(part);
-                acc[w][r][m] += f.x + f.y;
+                dot[w][r][m] += f.x + f.y;
               }
           }
         }
+#pragma unroll
+        for (int w = 0; w < NW; ++w)
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const float scale = __half2float(sv[u][w][r]);
+#pragma unroll
+            for (int m = 0; m < MR; ++m) acc[w][r][m] = fmaf(scale, dot[w][r][m], acc[w][r][m]);
+          }
       }
     }
   }

@@ -437,6 +437,7 @@ def main() -> None:
                          + ", ".join(REDUCE_VARIANTS) + " (see the module doc)")
     ap.add_argument("--contexts", help="decode grid: comma-separated context lengths (default 1k-32k)")
     ap.add_argument("--batches", help="decode grid: comma-separated batch sizes (default 1,4,16,64)")
+    ap.add_argument("--block-sizes", default="16", help="decode grid: comma-separated page sizes (16, 32, 64)")
     ap.add_argument("--no-host-loop", action="store_true",
                     help="attention: skip the per-call host-loop figure (ms_host_loop); the graph figure (ms) is always taken")
     ap.add_argument("--tune", action="store_true",
@@ -485,8 +486,10 @@ def main() -> None:
             contexts = [int(x) for x in args.contexts.split(",")]
         if args.batches:
             batches = [int(x) for x in args.batches.split(",")]
-        rows = bench_attention((32, 8, 128), contexts, batches, [1], 16, copy_bw, modes=modes,
-                               host_loop=not args.no_host_loop)
+        rows = []
+        for block_size in (int(x) for x in args.block_sizes.split(",")):
+            rows += bench_attention((32, 8, 128), contexts, batches, [1], block_size, copy_bw, modes=modes,
+                                    host_loop=not args.no_host_loop)
         if not args.quick and not args.decode_only:
             rows += bench_attention((32, 8, 128), [1024, 8192, 32768], [1, 16], [4, 16], 16, copy_bw, modes=modes,
                                    host_loop=not args.no_host_loop)

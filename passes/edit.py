@@ -67,7 +67,7 @@ def add_node(graph: ir.Graph, namer: Namer, op_type: str, inputs: list[ir.Value 
              domain: str = "", base: str | None = None) -> ir.Value:
     """Insert a one-output node before `before` (or at the end); its output takes `like`'s shape and
     type unless `dtype`/`shape` say otherwise. Returns the output value."""
-    node = ir.Node(domain, op_type, inputs, attributes=[_attr(k, v) for k, v in (attributes or {}).items()],
+    node = ir.Node(domain, op_type, inputs, attributes=to_attrs(attributes),
                    num_outputs=1, name=namer(f"{base or op_type}"))
     out = node.outputs[0]
     out.name = namer(f"{base or op_type}_out")
@@ -92,7 +92,7 @@ class Emit:
                  outputs: int = 1):
         """A new node; returns its output (or its outputs when `outputs` > 1), the first one typed
         `dtype` and shaped `shape` when given."""
-        node = ir.Node(domain, op, inputs, [_attr(k, v) for k, v in (attrs or {}).items()],
+        node = ir.Node(domain, op, inputs, to_attrs(attrs),
                        num_outputs=outputs, name=self.namer(f"{self.base}/{op}"))
         for out in node.outputs:
             out.name = self.namer(f"{self.base}/{op}_out")
@@ -106,6 +106,11 @@ class Emit:
     def const(self, name: str, array) -> ir.Value:
         """A new initializer `base/name` holding `array`."""
         return add_initializer(self.graph, self.namer, f"{self.base}/{name}", np.asarray(array))
+
+
+def to_attrs(values: dict | None) -> list[ir.Attr]:
+    """ONNX attributes from plain values (int/bool, float, str, int lists)."""
+    return [_attr(k, v) for k, v in (values or {}).items()]
 
 
 def _attr(name: str, value) -> ir.Attr:

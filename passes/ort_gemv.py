@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from enginesmith.passes import match
-from enginesmith.passes.edit import Namer, replace_value
+from enginesmith.passes.edit import Namer, replace_value, to_attrs
 from enginesmith.passes.registry import PassContext, PassResult, register
 
 DOMAIN = "com.enginesmith"
@@ -75,9 +75,7 @@ def _replace(graph: ir.Graph, old: ir.Node, op: str, inputs: list[ir.Value], att
              out_of: ir.Value, sum_of: ir.Value | None = None) -> ir.Node:
     """A new `op` node before `old` whose output takes `out_of`'s place (and its second output
     `sum_of`'s, for the SkipRmsNorm ops)."""
-    attributes = [ir.AttrFloat32(k, float(v)) if isinstance(v, float) else ir.AttrInt64(k, int(v))
-                  for k, v in attrs.items()]
-    node = ir.Node(DOMAIN, op, inputs, attributes, num_outputs=2 if op.startswith("SkipRmsNorm") else 1,
+    node = ir.Node(DOMAIN, op, inputs, to_attrs(attrs), num_outputs=2 if op.startswith("SkipRmsNorm") else 1,
                    name=namer(f"{old.name or op}_{op.lower()}"))
     graph.insert_before(old, node)
     replace_value(graph, out_of, node.outputs[0], namer(f"{out_of.name}_{op.lower()}"))

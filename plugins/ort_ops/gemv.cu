@@ -65,22 +65,22 @@ __device__ __forceinline__ float dot8(const uint4& xv, const uint4& wv, float ac
   return acc;
 }
 
-// int4 word (8 values, low nibble first) -> 4 half2 of (q - 8) * scale, paired (e_j, e_{j+4}).
-__device__ __forceinline__ void dequant8(uint32_t q, __half2 s2, __half2 out[4]) {
+// int4 word (8 values, low nibble first) -> 4 half2 of (q - 8), exact small integers, paired
+// (e_j, e_{j+4}). The GEMV applies the block's scale once per 32 values (in fp32), not per value.
+__device__ __forceinline__ void offsets8(uint32_t q, __half2 out[4]) {
   const __half2 bias = __float2half2_rn(1032.f);  // 1024 (the exponent trick) + zero point 8
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t bits = ((q >> (4 * j)) & 0x000F000Fu) | 0x64006400u;  // 1024 + e_j | 1024 + e_{j+4}
-    out[j] = __hmul2(__hsub2(as_h2(bits), bias), s2);
+    out[j] = __hsub2(as_h2(bits), bias);
   }
 }
 
-// int4 word -> 4 half2 of (q - 8), exact small integers, paired as in dequant8: the GEMV applies the
-// block's scale once per 32 values (in fp32) instead of once per value.
-__device__ __forceinline__ void offsets8(uint32_t q, __half2 out[4]) {
-  const __half2 bias = __float2half2_rn(1032.f);
+// The same times the scale: (q - 8) * scale, for the dequantize kernel.
+__device__ __forceinline__ void dequant8(uint32_t q, __half2 s2, __half2 out[4]) {
+  offsets8(q, out);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = __hsub2(as_h2(((q >> (4 * j)) & 0x000F000Fu) | 0x64006400u), bias);
+  for (int j = 0; j < 4; ++j) out[j] = __hmul2(out[j], s2);
 }
 
 // x[0:8] as the pairs dequant8 produces: (x0,x4), (x1,x5), (x2,x6), (x3,x7).
@@ -205,19 +205,12 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
     for (int m = 0; m < MR; ++m) rmsnorm_row(p, m0 + min(m, m_count - 1), x_norm + m * k8, blockIdx.x == 0 && m < m_count);
   }
   if (!active) return;
-  const uint4* xrow[MR];
+  const uint4* xrow[MR];  // without the norm: the rows of x in global memory
 #pragma unroll
-  for (int m = 0; m < MR; ++m)
-    xrow[m] = NORM ? x_norm + m * k8 : reinterpret_cast<const uint4*>(p.x + size_t(m0 + min(m, m_count - 1)) * p.K);
+  for (int m = 0; m < MR; ++m) xrow[m] = reinterpret_cast<const uint4*>(p.x + size_t(m0 + min(m, m_count - 1)) * p.K);
   auto x_at = [&](int m, int i) { return NORM ? x_norm[m * k8 + i] : __ldg(xrow[m] + i); };
 
-  float acc[NW][ROWS][MR];
-#pragma unroll
-  for (int w = 0; w < NW; ++w)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-      for (int m = 0; m < MR; ++m) acc[w][r][m] = 0.f;
+  float acc[NW][ROWS][MR] = {};
 
   for (int c0 = 0; c0 < chunks; c0 += 32 * U) {
     if (c0 > 0) load(c0);
@@ -236,13 +229,7 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
         }
       } else {
         // Σ x·(q-8) of each word in fp16 (8 values: |sum| <= 64·max|x|), then × scale in fp32.
-        float dot[NW][ROWS][MR];
-#pragma unroll
-        for (int w = 0; w < NW; ++w)
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-            for (int m = 0; m < MR; ++m) dot[w][r][m] = 0.f;
+        float dot[NW][ROWS][MR] = {};
         const uint32_t* words[NW][ROWS];
 #pragma unroll
         for (int w = 0; w < NW; ++w)

@@ -282,12 +282,14 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     MatMuls as FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the
     embedding table instead of a transposed copy ORT would fold at load). build.json records the
     passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine).
-    custom_ops: the decode GEMVs as enginesmith's ORT custom ops (passes/ort_gemv.py; the engine then
-    needs libenginesmith_ort_ops.so at run time). None: when that library is built; True: required."""
+    custom_ops: the decode GEMVs and the attention as enginesmith's ORT custom ops (passes/ort_gemv.py,
+    passes/ort_attention.py; the engine then needs libenginesmith_ort_ops.so at run time). None: when
+    that library is built; True: required."""
     import shutil
 
     import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
     import enginesmith.passes.matmul_transb  # noqa: F401
+    import enginesmith.passes.ort_attention  # noqa: F401
     import enginesmith.passes.ort_gemv  # noqa: F401
     import enginesmith.passes.skip_rmsnorm  # noqa: F401
     import enginesmith.passes.untie_lm_head  # noqa: F401
@@ -310,7 +312,7 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     if custom_ops:
         ort_ops.require()
     if custom_ops or (custom_ops is None and ort_ops.available()):
-        steps += ",ort_gemv"
+        steps += ",ort_gemv,ort_attention"
     with engine_dir.write_atomically(out, overwrite=force) as tmp:
         # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
         report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress,

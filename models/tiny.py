@@ -17,6 +17,10 @@ _TINY: dict[str, dict] = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rope_theta=10000.0, tie_word_embeddings=True),
+    # head size 64, as the ORT attention op and the paged-attention kernels take (llama's is 16)
+    "llama-hd64": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                       rope_theta=10000.0, tie_word_embeddings=True),
     "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rope_theta=10000.0, tie_word_embeddings=False),

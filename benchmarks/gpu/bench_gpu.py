@@ -117,7 +117,9 @@ def genai_build(script: Path, work: Path) -> dict:
     return {"pid": proc.pid}
 
 
-LLAMA_VARIANTS = ("fp16", "fp16ops", "fp16opsnonorm", "w4a16", "w4a16lm", "w4a16lmops", "w4a16lmopsnonorm")
+LLAMA_VARIANTS = ("fp16", "fp16ops", "fp16opsnonorm", "fp16opsnoattn", "w4a16", "w4a16lm", "w4a16lmops",
+                  "w4a16lmopsnonorm", "w4a16lmopsnoattn")
+ABLATIONS = ("nonorm", "noattn")  # *ops variants without one of the ops' fusions: CUDA graphs only
 
 
 @section("llama1b")
@@ -135,7 +137,7 @@ def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int,
         weights = onnx_weight_bytes(path)
         out[name] = {"weight_bytes": weights}
         modes = ("torch", "ort", "none") if name == "fp16" else ("torch", "torch_nopdl", "none") \
-            if name.endswith("ops") else ("torch",) if name.endswith("nonorm") else ("torch", "none")
+            if name.endswith("ops") else ("torch",) if name.endswith(ABLATIONS) else ("torch", "none")
         modes = modes[:1] if quick else modes
         for mode in modes:
             t = time.time()
@@ -151,7 +153,7 @@ def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int,
             if bandwidth:
                 r["bound"] = bound(weights, bandwidth, r["decode_tok_s"], 1, 128 + new_tokens // 2, 16, 8, 64)
             out[name][key] = r
-            if mode == "torch" and not quick and not name.endswith("nonorm"):
+            if mode == "torch" and not quick and not name.endswith(ABLATIONS):
                 b16 = ours(engine, 16, 128, 128, warmup=1, reps=max(2, reps // 2))
                 if bandwidth:
                     b16["bound"] = bound(weights, bandwidth, b16["decode_tok_s"], 16, 128 + 64, 16, 8, 64)
@@ -241,6 +243,7 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
             if name != "w4a16" and ort_ops.available():
                 out[f"llama1b_{name}ops"] = with_ops(path)
                 out[f"llama1b_{name}opsnonorm"] = with_ops(path, norm=False)
+                out[f"llama1b_{name}opsnoattn"] = with_ops(path, attention=False)
     if smol:  # a lowered engine carried in (built where the lowering was checked) is used as is
         src = work / "smollm2_fp16"
         t = time.time()
@@ -255,19 +258,24 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     return out
 
 
-def with_ops(path: Path, norm: bool = True) -> dict:
-    """<name>ops.onnx beside `path` (<name>opsnonorm.onnx without folding the norms): the ort_gemv pass
-    (enginesmith's GEMV ops) on its graph. Applied
-    directly, not through run_pipeline: the CPU check of a 1B graph with the ops' reference kernels
-    would take minutes; tests/plugins/test_ort_ops.py checks the pass and the kernels."""
+def with_ops(path: Path, norm: bool = True, attention: bool = True) -> dict:
+    """<name>ops.onnx beside `path`: the ort_gemv and ort_attention passes (enginesmith's GEMV and
+    attention ops) on its graph; <name>opsnonorm.onnx without folding the norms, <name>opsnoattn.onnx
+    without the attention op. Applied directly, not through run_pipeline: the CPU check of a 1B graph
+    with the ops' reference kernels would take minutes; tests/plugins/test_ort_ops.py and
+    test_ort_attention.py check the passes and the kernels."""
     import onnx_ir as ir
 
+    from enginesmith.passes.ort_attention import ort_attention
     from enginesmith.passes.ort_gemv import OrtGemvParams, ort_gemv
 
     t = time.time()
-    dst = path.with_name(path.stem + ("ops.onnx" if norm else "opsnonorm.onnx"))
+    dst = path.with_name(path.stem + ("ops" if norm and attention else "opsnonorm" if attention else "opsnoattn")
+                         + ".onnx")
     model = ir.load(str(path))
     counts = ort_gemv(model, OrtGemvParams(norm=norm)).counts
+    if attention:
+        counts.update(ort_attention(model).counts)
     ir.save(model, str(dst), external_data=dst.name + ".data")
     return {"counts": counts, "s": round(time.time() - t, 1)}
 
@@ -348,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma list of sections (default: all)")
     ap.add_argument("--quick", action="store_true", help="llama1b: batch 1 with CUDA graphs only")
     ap.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS), help="comma list of llama1b graphs")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="use the graphs and engines an earlier run prepared (A/B runs of two ops builds)")
     args = ap.parse_args(argv)
     OUT = args.out
     args.work.mkdir(parents=True, exist_ok=True)
@@ -357,7 +367,8 @@ def main(argv=None) -> int:
     bw = (RESULTS.get("device") or {}).get("copy_bandwidth_gbs")
     if want("genai") and args.genai_script:
         genai_build(args.genai_script, args.work)
-    prepare(args.graphs, args.work, want("smollm2") or want("smollm2_ngram"), want("llama1b"))
+    if not args.no_prepare:
+        prepare(args.graphs, args.work, want("smollm2") or want("smollm2_ngram"), want("llama1b"))
     _wait_genai_build()
     if want("llama1b"):
         llama1b(args.graphs, bw, args.new_tokens, args.reps, tuple(args.llama_variants.split(",")), args.quick)

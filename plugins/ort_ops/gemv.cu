@@ -3,9 +3,10 @@
 // Work split: a warp owns ROWS output rows (of NW weight matrices) and walks K in 16-byte weight
 // loads, lane-interleaved so a warp reads 512 contiguous bytes per row per step; U steps are issued
 // before any is consumed, so each thread keeps U * NW * ROWS loads in flight. x (M <= kGemvMaxRows rows) is
-// read through the read-only cache. Partial sums are fp32 (int4: 8-element fp16 partials of
-// scale-applied products, flushed to fp32); a warp reduction finishes each output.
+// read through the read-only cache. Partial sums are fp32 (int4: fp16 partials of x·(q-8) over 8
+// elements, or 32 with ES_GEMV_Q4_H2ACC, flushed to fp32 and scaled there); a warp reduction finishes each output.
 #include "gemv.h"
+#include "launch.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +31,17 @@ namespace {
 #ifndef ES_GEMV_U_Q4
 #define ES_GEMV_U_Q4 2  // the same, int4
 #endif
+#ifndef ES_GEMV_Q4_H2ACC
+#define ES_GEMV_Q4_H2ACC 0  // 1: int4 fp16 partials over a whole 16-byte load (32 values), not per word
+#endif
+#ifndef ES_GEMV_Q4_LOP3
+#define ES_GEMV_Q4_LOP3 0  // 1: int4 unpacking with two shifts less per word (see offsets8)
+#endif
+#ifndef ES_GEMV_Q4_ROWS_SMALL
+#define ES_GEMV_Q4_ROWS_SMALL 1  // rows per warp, int4 without SwiGLU at N < 4096: 1, 2 or 4
+#endif
+static_assert(ES_GEMV_Q4_ROWS_SMALL == 1 || ES_GEMV_Q4_ROWS_SMALL == 2 || ES_GEMV_Q4_ROWS_SMALL == 4,
+              "ES_GEMV_Q4_ROWS_SMALL must be 1, 2 or 4");
 template <bool Q4>
 constexpr int kWarps = Q4 ? ES_GEMV_WARPS_Q4 : ES_GEMV_WARPS_FP16;
 
@@ -65,15 +77,35 @@ __device__ __forceinline__ float dot8(const uint4& xv, const uint4& wv, float ac
   return acc;
 }
 
+#if ES_GEMV_Q4_LOP3
+// (a & b) | c in one instruction.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+#endif
+
 // int4 word (8 values, low nibble first) -> 4 half2 of (q - 8), exact small integers, paired
 // (e_j, e_{j+4}). The GEMV applies the block's scale once per 32 values (in fp32), not per value.
 __device__ __forceinline__ void offsets8(uint32_t q, __half2 out[4]) {
   const __half2 bias = __float2half2_rn(1032.f);  // 1024 (the exponent trick) + zero point 8
+#if ES_GEMV_Q4_LOP3
+  // Odd nibbles masked in place read as 1024 + 16·e; one HFMA2 (× 1/16 - 72) makes them e - 8 (exact:
+  // every step is a small integer or 64 + e). One shift per word instead of three.
+  const __half2 sixteenth = __float2half2_rn(0.0625f), bias16 = __float2half2_rn(-72.f);
+  const uint32_t q2 = q >> 8;
+  out[0] = __hsub2(as_h2(and_or(q, 0x000F000Fu, 0x64006400u)), bias);                // e0, e4
+  out[1] = __hfma2(as_h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, bias16);   // e1, e5
+  out[2] = __hsub2(as_h2(and_or(q2, 0x000F000Fu, 0x64006400u)), bias);               // e2, e6
+  out[3] = __hfma2(as_h2(and_or(q2, 0x00F000F0u, 0x64006400u)), sixteenth, bias16);  // e3, e7
+#else
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const uint32_t bits = ((q >> (4 * j)) & 0x000F000Fu) | 0x64006400u;  // 1024 + e_j | 1024 + e_{j+4}
     out[j] = __hsub2(as_h2(bits), bias);
   }
+#endif
 }
 
 // The same times the scale: (q - 8) * scale, for the dequantize kernel.
@@ -89,20 +121,6 @@ __device__ __forceinline__ void pair8(const uint4& xv, __half2 out[4]) {
   out[1] = as_h2(__byte_perm(xv.x, xv.z, 0x7632));
   out[2] = as_h2(__byte_perm(xv.y, xv.w, 0x5410));
   out[3] = as_h2(__byte_perm(xv.y, xv.w, 0x7632));
-}
-
-// Programmatic dependent launch (sm_90+): wait for the kernel before this one (its writes are then
-// visible), and let the next one start launching now. Without a PDL launch both are no-ops.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void allow_next_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 // The whole block normalizes row `row` of p.x (+ p.skip) into dst[0:K] (see gemv.h for the rounding);
@@ -228,8 +246,12 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
             for (int r = 0; r < ROWS; ++r) acc[w][r][m] = dot8(xv, wv[u][w][r], acc[w][r][m]);
         }
       } else {
-        // Σ x·(q-8) of each word in fp16 (8 values: |sum| <= 64·max|x|), then × scale in fp32.
+        // Σ x·(q-8) in fp16, then × scale in fp32. The fp16 sums span a word (8 values: |sum| <= 64·max|x|)
+        // or, with ES_GEMV_Q4_H2ACC, the whole load (32 values: |sum| <= 256·max|x|, in fp16's range
+        // for |x| < 255; one conversion to fp32 per 32 values instead of four).
+        constexpr bool kH2Acc = ES_GEMV_Q4_H2ACC;
         float dot[NW][ROWS][MR] = {};
+        __half2 hdot[NW][ROWS][MR];  // kH2Acc: the load's fp16 sums so far
         const uint32_t* words[NW][ROWS];
 #pragma unroll
         for (int w = 0; w < NW; ++w)
@@ -250,12 +272,17 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
             for (int w = 0; w < NW; ++w)
 #pragma unroll
               for (int r = 0; r < ROWS; ++r) {
-                __half2 part = __hmul2(xp[0], wq[w][r][0]);
+                __half2 part = kH2Acc && i > 0 ? __hfma2(xp[0], wq[w][r][0], hdot[w][r][m])
+                                               : __hmul2(xp[0], wq[w][r][0]);
                 part = __hfma2(xp[1], wq[w][r][1], part);
                 part = __hfma2(xp[2], wq[w][r][2], part);
                 part = __hfma2(xp[3], wq[w][r][3], part);
-                const float2 f = __half22float2(part);
-                dot[w][r][m] += f.x + f.y;
+                if constexpr (kH2Acc) {
+                  hdot[w][r][m] = part;
+                } else {
+                  const float2 f = __half22float2(part);
+                  dot[w][r][m] += f.x + f.y;
+                }
               }
           }
         }
@@ -265,7 +292,13 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
           for (int r = 0; r < ROWS; ++r) {
             const float scale = __half2float(sv[u][w][r]);
 #pragma unroll
-            for (int m = 0; m < MR; ++m) acc[w][r][m] = fmaf(scale, dot[w][r][m], acc[w][r][m]);
+            for (int m = 0; m < MR; ++m) {
+              if constexpr (kH2Acc) {
+                const float2 f = __half22float2(hdot[w][r][m]);
+                dot[w][r][m] = f.x + f.y;
+              }
+              acc[w][r][m] = fmaf(scale, dot[w][r][m], acc[w][r][m]);
+            }
           }
       }
     }
@@ -303,17 +336,7 @@ bool g_pdl = false;  // set by gemv_prepare
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, size_t smem, cudaStream_t stream,
                    Args... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = g_pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
+  return launch_kernel(kernel, dim3(blocks), threads, smem, stream, g_pdl, args...);
 }
 
 // The fused norm keeps MR rows of x in shared memory: rows per launch so that fits the default 48 KiB.
@@ -348,7 +371,7 @@ cudaError_t launch_m(const GemvProblem& p, int m0, int m_count, cudaStream_t str
   }
   if (Q4 && p.N >= 8192) return launch_rows<MR, Q4, 1, 4>(p, m0, m_count, stream);
   if (p.N >= 4096) return launch_rows<MR, Q4, 1, 2>(p, m0, m_count, stream);
-  return launch_rows<MR, Q4, 1, 1>(p, m0, m_count, stream);
+  return launch_rows<MR, Q4, 1, Q4 ? ES_GEMV_Q4_ROWS_SMALL : 1>(p, m0, m_count, stream);
 }
 
 template <bool Q4>
@@ -396,15 +419,7 @@ const char* gemv_check(const GemvProblem& p) {
 }
 
 void gemv_prepare() {
-  static const bool sm90 = [] {
-    int device = 0, major = 0;
-    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
-    (void)cudaGetLastError();
-    return ok && major >= 9;
-  }();
-  const char* env = std::getenv("ES_ORT_OPS_PDL");  // read per session: benchmarks compare both
-  g_pdl = sm90 && !(env && std::strcmp(env, "0") == 0);
+  g_pdl = dependent_launches_enabled();  // read per session: benchmarks compare both
   static const bool pool_kept = [] {
     // The GEMM path's temporaries come from the device's default stream-ordered pool. By default it
     // returns freed memory to the driver at every synchronization (each ORT run ends with one), so each

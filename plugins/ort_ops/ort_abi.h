@@ -25,7 +25,7 @@ struct OrtCustomOpDomain;
 struct OrtShapeInferContext;
 
 // ONNXTensorElementDataType (the ONNX TensorProto codes).
-enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kFloat16 = 10 };
+enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt32 = 6, kFloat16 = 10 };
 // OrtErrorCode.
 enum ErrorCode : int { kOk = 0, kFail = 1, kInvalidArgument = 2 };
 
@@ -139,7 +139,7 @@ struct CustomOp {
   void (*KernelDestroy)(void* kernel);
   int (*GetInputCharacteristic)(const CustomOp*, size_t);   // 0: required
   int (*GetOutputCharacteristic)(const CustomOp*, size_t);
-  int (*GetInputMemoryType)(const CustomOp*, size_t);       // 0: the EP's default memory
+  int (*GetInputMemoryType)(const CustomOp*, size_t);       // 0: the EP's default memory, -2: host
   int (*GetVariadicInputMinArity)(const CustomOp*);
   int (*GetVariadicInputHomogeneity)(const CustomOp*);
   int (*GetVariadicOutputMinArity)(const CustomOp*);

@@ -9,7 +9,12 @@
 // and each with the decoder's RMSNorm before it folded in (epsilon attribute; see gemv.h):
 //   RmsNorm<op>(x, gamma, <weights>)              the product of rms_norm(x) * gamma
 //   SkipRmsNorm<op>(x, skip, gamma, <weights>)    the same of x + skip; second output: x + skip
-// (inputs as com.microsoft.SkipSimplifiedLayerNormalization's, outputs y and the residual sum).
+// (inputs as com.microsoft.SkipSimplifiedLayerNormalization's, outputs y and the residual sum),
+// and the attention of the decoder (see attention.h):
+//   GroupQueryAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
+//                       sin_cache; num_heads, kv_num_heads, scale) -> output, present_key, present_value
+// (com.microsoft.GroupQueryAttention's inputs without the unused key/value, packed QKV, rotary always
+// on, past and present one buffer: with another present buffer, past is copied into it first).
 //
 // Each op has a CUDA kernel (CUDAExecutionProvider, on ORT's compute stream, so it can be captured in
 // a CUDA graph) and a CPU kernel (the reference, so the graph runs and is checked on ORT CPU).
@@ -26,15 +31,19 @@
 #include <dlfcn.h>
 
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <algorithm>
 #include <vector>
 
+#include "attention.h"
 #include "gemv.h"
+#include "launch.cuh"
 #include "ort_abi.h"
 
 using namespace ortabi;
+using enginesmith::AttentionProblem;
 using enginesmith::GemvProblem;
 
 namespace {
@@ -54,18 +63,42 @@ struct OpDef {
   bool q4, swiglu;
   Norm norm;
   bool cuda;
+  bool attention;  // GroupQueryAttention (the other fields are the GEMVs')
 };
 
-// Inputs: x, then skip (SkipRmsNorm) and gamma (both norms), then the weights.
+// GroupQueryAttention's inputs and outputs; total_sequence_length is read on the host.
+constexpr size_t kAttentionInputs = 7, kAttentionOutputs = 3, kTotalLengthInput = 4;
+
+// GEMV inputs: x, then skip (SkipRmsNorm) and gamma (both norms), then the weights.
 size_t norm_inputs(const OpDef& d) { return d.norm == Norm::kSkipRms ? 2 : d.norm == Norm::kRms ? 1 : 0; }
 size_t first_weight(const OpDef& d) { return 1 + norm_inputs(d); }
-size_t input_count(const OpDef& d) { return first_weight(d) + (d.q4 ? 2 : 1) * (d.swiglu ? 2 : 1); }
-size_t output_count(const OpDef& d) { return d.norm == Norm::kSkipRms ? 2 : 1; }
+size_t input_count(const OpDef& d) {
+  return d.attention ? kAttentionInputs : first_weight(d) + (d.q4 ? 2 : 1) * (d.swiglu ? 2 : 1);
+}
+size_t output_count(const OpDef& d) {
+  return d.attention ? kAttentionOutputs : d.norm == Norm::kSkipRms ? 2 : 1;
+}
 
 struct Kernel {
+  explicit Kernel(const OpDef* d) : def(d) {}
   const OpDef* def;
   int64_t K = 0, N = 0, block_size = 0;  // int4 ops: from the node's attributes
   float eps = 0.f;                        // norm ops: the epsilon attribute
+  // GroupQueryAttention: attributes, the device's multiprocessors, whether launches are dependent, and
+  // the split workspace (grown outside captures, freed with the kernel).
+  int64_t heads = 0, kv_heads = 0;
+  float scale = 0.f;
+  int sms = 0;
+  bool dependent = false;
+  float* partials = nullptr;
+  int32_t* counters = nullptr;
+  size_t partial_floats = 0, counter_count = 0;
+  std::mutex mu;
+
+  ~Kernel() {
+    if (partials) cudaFree(partials);
+    if (counters) cudaFree(counters);
+  }
 };
 
 OrtStatus* error(const std::string& msg) { return g_api->CreateStatus(kInvalidArgument, msg.c_str()); }
@@ -201,7 +234,100 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
   return status ? status : cuda_status(k, err);
 }
 
+// ---- GroupQueryAttention.
+OrtStatus* output_like(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, void** data) {
+  OrtValue* v = nullptr;
+  ORT_TRY(g_api->KernelContextGetOutput(ctx, i, dims.data(), dims.size(), &v));
+  return g_api->GetTensorMutableData(v, data);
+}
+
+OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
+  const std::string& op = k.def->name;
+  std::vector<Tensor> in(kAttentionInputs);
+  for (size_t i = 0; i < in.size(); ++i) ORT_TRY(read_input(ctx, i, &in[i]));
+  const Tensor &qkv = in[0], &past_k = in[1], &past_v = in[2], &seqlens = in[3], &total = in[4], &cos = in[5],
+               &sin = in[6];
+  AttentionProblem p;
+  p.H = int(k.heads);
+  p.Hkv = int(k.kv_heads);
+  p.scale = k.scale;
+  if (qkv.type != kFloat16 || qkv.dims.size() != 3 || qkv.dims[2] % (p.H + 2 * p.Hkv) != 0)
+    return error(op + ": qkv must be float16 [B, S, (num_heads + 2 kv_num_heads) * head_size]");
+  p.B = int(qkv.dims[0]);
+  p.S = int(qkv.dims[1]);
+  p.D = int(qkv.dims[2] / (p.H + 2 * p.Hkv));
+  for (const Tensor* t : {&past_k, &past_v})
+    if (t->type != kFloat16 || t->dims.size() != 4 || t->dims[0] != p.B || t->dims[1] != p.Hkv || t->dims[3] != p.D ||
+        t->dims != past_k.dims)
+      return error(op + ": past_key and past_value must be float16 [B, kv_num_heads, capacity, head_size] with B = " +
+                   std::to_string(p.B) + ", head_size = " + std::to_string(p.D));
+  p.C = int(past_k.dims[2]);
+  if (seqlens.type != kInt32 || seqlens.dims != std::vector<int64_t>{p.B})
+    return error(op + ": seqlens_k must be int32 [B]");
+  int64_t total_elems = 1;
+  for (int64_t d : total.dims) total_elems *= d;
+  if (total.type != kInt32 || total_elems != 1) return error(op + ": total_sequence_length must be one int32");
+  p.max_total = *static_cast<const int32_t*>(total.data);
+  for (const Tensor* t : {&cos, &sin})
+    if (t->type != kFloat16 || t->dims.size() != 2 || t->dims[1] != p.D / 2 || t->dims != cos.dims)
+      return error(op + ": cos_cache and sin_cache must be float16 [positions, head_size / 2]");
+  p.P = int(cos.dims[0]);
+  p.qkv = static_cast<const __half*>(qkv.data);
+  p.seqlens = static_cast<const int32_t*>(seqlens.data);
+  p.cos = static_cast<const __half*>(cos.data);
+  p.sin = static_cast<const __half*>(sin.data);
+  void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
+  ORT_TRY(output_like(ctx, 0, {p.B, p.S, int64_t(p.H) * p.D}, &out));
+  ORT_TRY(output_like(ctx, 1, past_k.dims, &present_k));
+  ORT_TRY(output_like(ctx, 2, past_v.dims, &present_v));
+  p.out = static_cast<__half*>(out);
+  p.k_cache = static_cast<__half*>(present_k);
+  p.v_cache = static_cast<__half*>(present_v);
+  if (p.B == 0 || p.S == 0) return nullptr;
+  if (const char* why = enginesmith::attention_check(p); *why) return error(op + ": " + why);
+  const size_t cache_bytes = size_t(p.B) * p.Hkv * p.C * p.D * sizeof(__half);
+  if (!k.def->cuda) {
+    if (present_k != past_k.data) std::memcpy(present_k, past_k.data, cache_bytes);
+    if (present_v != past_v.data) std::memcpy(present_v, past_v.data, cache_bytes);
+    enginesmith::attention_reference(p);
+    return nullptr;
+  }
+  void* stream_ptr = nullptr;
+  ORT_TRY(g_api->KernelContextGetGPUComputeStream(ctx, &stream_ptr));
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  (void)cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  for (auto [dst, src] : {std::pair<void*, void*>{present_k, past_k.data}, {present_v, past_v.data}})
+    if (dst != src && err == cudaSuccess) err = cudaMemcpyAsync(dst, src, cache_bytes, cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess) return cuda_status(k, err);
+  enginesmith::AttentionPlan plan = enginesmith::attention_plan(p, k.sms);
+  plan.dependent = k.dependent;
+  std::lock_guard<std::mutex> lock(k.mu);  // one workspace per node: launches in order, growth in between
+  if (plan.partial_floats > k.partial_floats || plan.counters > k.counter_count) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
+      return error(op + ": its workspace must grow inside a CUDA-graph capture; run this shape once before capturing");
+    const size_t floats = std::max(plan.partial_floats, k.partial_floats);
+    const size_t counters = std::max(plan.counters, k.counter_count);
+    if ((err = cudaStreamSynchronize(stream)) != cudaSuccess) return cuda_status(k, err);
+    for (void* old : {static_cast<void*>(k.partials), static_cast<void*>(k.counters)})
+      if (old) cudaFree(old);
+    k.partials = nullptr;
+    k.counters = nullptr;
+    k.partial_floats = k.counter_count = 0;
+    if ((err = cudaMalloc(&k.partials, floats * sizeof(float))) != cudaSuccess ||
+        (err = cudaMalloc(&k.counters, counters * sizeof(int32_t))) != cudaSuccess ||
+        (err = cudaMemset(k.counters, 0, counters * sizeof(int32_t))) != cudaSuccess)
+      return cuda_status(k, err);
+    k.partial_floats = floats;
+    k.counter_count = counters;
+  }
+  return cuda_status(k, enginesmith::attention_launch(p, plan, k.partials, k.counters, stream));
+}
+
+
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  if (static_cast<Kernel*>(kernel_ptr)->def->attention) return compute_attention(*static_cast<Kernel*>(kernel_ptr), ctx);
   const Kernel& k = *static_cast<Kernel*>(kernel_ptr);
   const OpDef& d = *k.def;
   const std::string& op = d.name;  // strings are built only on the error paths
@@ -284,7 +410,28 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     enginesmith::gemv_prepare();
     cublas();
   }
-  auto kernel = new Kernel{&d};
+  auto kernel = new Kernel(&d);
+  if (d.attention) {
+    OrtStatus* s = g_api->KernelInfoGetAttributeInt64(info, "num_heads", &kernel->heads);
+    if (!s) s = g_api->KernelInfoGetAttributeInt64(info, "kv_num_heads", &kernel->kv_heads);
+    if (!s) s = g_api->KernelInfoGetAttributeFloat(info, "scale", &kernel->scale);
+    if (!s && (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads != 0))
+      s = error(d.name + ": num_heads must be a positive multiple of kv_num_heads");
+    if (!s && !(kernel->scale > 0.f)) s = error(d.name + ": scale must be positive");
+    if (!s && d.cuda) {
+      int device = 0;
+      if (cudaGetDevice(&device) != cudaSuccess ||
+          cudaDeviceGetAttribute(&kernel->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        s = error(d.name + ": cannot query the CUDA device");
+      kernel->dependent = enginesmith::dependent_launches_enabled();
+    }
+    if (s) {
+      delete kernel;
+      return s;
+    }
+    *out = kernel;
+    return nullptr;
+  }
   if (d.norm != Norm::kNone) {
     if (OrtStatus* s = g_api->KernelInfoGetAttributeFloat(info, "epsilon", &kernel->eps)) {
       delete kernel;
@@ -330,14 +477,17 @@ void compute_v1(void* kernel, OrtKernelContext* ctx) {
 
 ElementType input_type(const CustomOp* op, size_t i) {
   const OpDef& d = def_of(op);
+  if (d.attention) return (i == 3 || i == kTotalLengthInput) ? kInt32 : kFloat16;
   if (i < first_weight(d) || !d.q4) return kFloat16;
   return ((i - first_weight(d)) % 2 == 0) ? kUint8 : kFloat16;  // B, scales, B, scales
 }
 
-OpDef make(bool swiglu, bool q4, Norm norm, bool cuda) {
+OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false) {
   OpDef d{};
-  d.name = std::string(norm == Norm::kSkipRms ? "SkipRmsNorm" : norm == Norm::kRms ? "RmsNorm" : "") +
-           (swiglu ? "SwiGluGemv" : "Gemv") + (q4 ? "Q4" : "");
+  d.name = attention ? std::string("GroupQueryAttention")
+                     : std::string(norm == Norm::kSkipRms ? "SkipRmsNorm" : norm == Norm::kRms ? "RmsNorm" : "") +
+                           (swiglu ? "SwiGluGemv" : "Gemv") + (q4 ? "Q4" : "");
+  d.attention = attention;
   d.q4 = q4;
   d.swiglu = swiglu;
   d.norm = norm;
@@ -356,7 +506,9 @@ OpDef make(bool swiglu, bool q4, Norm norm, bool cuda) {
   o.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   o.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };
   o.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
-  o.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };
+  o.GetInputMemoryType = [](const CustomOp* op, size_t i) {
+    return def_of(op).attention && def_of(op).cuda && i == kTotalLengthInput ? -2 : 0;  // -2: host memory
+  };
   o.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
   o.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
   o.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
@@ -376,6 +528,7 @@ std::vector<OpDef>& ops() {
       for (Norm norm : {Norm::kNone, Norm::kRms, Norm::kSkipRms})
         for (bool swiglu : {false, true})
           for (bool q4 : {false, true}) v.push_back(make(swiglu, q4, norm, cuda));
+    for (bool cuda : {false, true}) v.push_back(make(false, false, Norm::kNone, cuda, true));
     return v;
   }();
   return all;

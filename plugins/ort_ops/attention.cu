@@ -1,0 +1,400 @@
+// Group-query attention with rotary embedding over a dense KV cache (see attention.h).
+//
+// One block = 4 warps on (split, KV head, query tile, row). Its R query rows (token t of the tile x
+// head i of the group: row t * G + i) are rotated once into shared memory. Each warp walks 32-key tiles
+// of the block's key range:
+//   scores: lane l takes key l of the tile, its whole K row (16-byte loads), against all R rows of q;
+//   online softmax per row (running max m and sum l, exp2 domain: q carries scale * log2(e));
+//   P·V: lane l owns D/32 output dims; each key's probability comes from its lane by a shuffle.
+// The 4 warps merge (m, l, O) in shared memory; then the output (1 split) or the partial + the
+// last-block merge (see attention.h).
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "launch.cuh"
+
+namespace enginesmith {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKeyTile = 32;                          // keys a warp scores at once (one per lane)
+constexpr int kMinKeysPerSplit = kWarps * kKeyTile;  // every warp of a split has a tile
+constexpr int kMaxSplits = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__host__ __device__ __forceinline__ float round_half(float v) { return __half2float(__float2half_rn(v)); }
+
+// The half-split rotation of the pair (x1, x2) = (x[i], x[i + D/2]) at a position with (cos, sin),
+// rounded to fp16. No fused multiply-add on either side, so host and device round alike.
+__host__ __device__ __forceinline__ void rotate(float x1, float x2, float c, float s, float& y1, float& y2) {
+#ifdef __CUDA_ARCH__
+  y1 = round_half(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+  y2 = round_half(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+#else
+  const float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
+  y1 = round_half(a - b);
+  y2 = round_half(e + f);
+#endif
+}
+
+__device__ __forceinline__ void to_floats(const uint4& v, float f[8]) {
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+struct Row {  // where a (row, token) of the problem lives
+  const __half* token0;  // qkv of the row's first new token
+  int stride;            // qkv elements per token
+  size_t cache0;         // k/v cache offset of (row, KV head g, position 0)
+};
+
+template <int D, int R>
+__global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p, int tile_tokens, int tiles,
+                                                             int splits, float* partials, int32_t* counters) {
+  constexpr int DL = D / 32;  // output dims per lane
+  constexpr int HALF = D / 2;
+  __shared__ float q_s[R][D];  // rotated q (fp16 values) times scale * log2(e); rows >= `rows` are 0
+  __shared__ float m_s[kWarps][R], l_s[kWarps][R];
+  __shared__ float o_s[kWarps][R][D];
+  __shared__ int last_s;
+
+  allow_next_kernel();  // the next kernel may preload its weights; it waits for this one to finish
+  wait_for_previous_kernel();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = p.H / p.Hkv, g = blockIdx.y, split = blockIdx.x;
+  const int b = blockIdx.z / tiles, s0 = (blockIdx.z % tiles) * tile_tokens;
+  const int qn = min(tile_tokens, p.S - s0), rows = qn * G;
+  const int total = p.seqlens[b] + 1, past = total - p.S;
+  const Row row{p.qkv + size_t(b) * p.S * (p.H + 2 * p.Hkv) * D, (p.H + 2 * p.Hkv) * D,
+                (size_t(b) * p.Hkv + g) * p.C * D};
+  auto out_at = [&](int r, int d) -> __half& {
+    return p.out[((size_t(b) * p.S + s0 + r / G) * p.H + g * G + r % G) * D + d];
+  };
+
+  if (past < 0 || total > p.C || total > p.P) {  // the same for every block of the row: no counter
+    if (split == 0)
+      for (int i = threadIdx.x; i < rows * D; i += kThreads) out_at(i / D, i % D) = __float2half(NAN);
+    return;
+  }
+  const float q_scale = p.scale * kLog2e;
+  for (int i = threadIdx.x; i < R * HALF; i += kThreads) {
+    const int r = i / HALF, d = i % HALF;
+    float y1 = 0.f, y2 = 0.f;
+    if (r < rows) {
+      const int s = s0 + r / G, pos = past + s;
+      const __half* q = row.token0 + size_t(s) * row.stride + (g * G + r % G) * D;
+      rotate(__half2float(q[d]), __half2float(q[d + HALF]), __half2float(p.cos[size_t(pos) * HALF + d]),
+             __half2float(p.sin[size_t(pos) * HALF + d]), y1, y2);
+    }
+    q_s[r][d] = y1 * q_scale;
+    q_s[r][d + HALF] = y2 * q_scale;
+  }
+  if (split == 0) {  // the tile's new keys (rotated) and values into the cache
+    for (int i = threadIdx.x; i < qn * HALF; i += kThreads) {
+      const int s = s0 + i / HALF, d = i % HALF, pos = past + s;
+      const __half* k = row.token0 + size_t(s) * row.stride + (p.H + g) * D;
+      const __half* v = k + p.Hkv * D;
+      float y1, y2;
+      rotate(__half2float(k[d]), __half2float(k[d + HALF]), __half2float(p.cos[size_t(pos) * HALF + d]),
+             __half2float(p.sin[size_t(pos) * HALF + d]), y1, y2);
+      __half* kc = p.k_cache + row.cache0 + size_t(pos) * D;
+      __half* vc = p.v_cache + row.cache0 + size_t(pos) * D;
+      kc[d] = __float2half_rn(y1);
+      kc[d + HALF] = __float2half_rn(y2);
+      vc[d] = v[d];
+      vc[d + HALF] = v[d + HALF];
+    }
+  }
+  __syncthreads();
+
+  // This split's keys: [lo, hi) of the tile's causal range [0, past + s0 + qn).
+  const int keys = past + s0 + qn;
+  const int per_split = max(kMinKeysPerSplit, (keys + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int used = (keys + per_split - 1) / per_split;
+  const int lo = split * per_split, hi = min(keys, lo + per_split);
+
+  float m[R], l[R], o[R][DL];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DL; ++j) o[r][j] = 0.f;
+  }
+
+  for (int t0 = lo + warp * kKeyTile; t0 < hi; t0 += kWarps * kKeyTile) {
+    const int j = t0 + lane;
+    float sc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) sc[r] = 0.f;
+    if (j < hi) {
+      const bool fresh = j >= past;  // a new key: from qkv, rotated here as the cache write does
+      const __half* k = fresh ? row.token0 + size_t(j - past) * row.stride + (p.H + g) * D
+                              : p.k_cache + row.cache0 + size_t(j) * D;
+#pragma unroll
+      for (int c = 0; c < HALF; c += 8) {
+        float x1[8], x2[8];
+        to_floats(*reinterpret_cast<const uint4*>(k + c), x1);
+        to_floats(*reinterpret_cast<const uint4*>(k + c + HALF), x2);
+        if (fresh) {
+          float cs[8], sn[8];
+          to_floats(*reinterpret_cast<const uint4*>(p.cos + size_t(j) * HALF + c), cs);
+          to_floats(*reinterpret_cast<const uint4*>(p.sin + size_t(j) * HALF + c), sn);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) rotate(x1[e], x2[e], cs[e], sn[e], x1[e], x2[e]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sc[r] = fmaf(q_s[r][c + e], x1[e], fmaf(q_s[r][c + e + HALF], x2[e], sc[r]));
+      }
+    }
+    float pr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool valid = j < hi && r < rows && j <= past + s0 + r / G;
+      const float mt = warp_max(valid ? sc[r] : -INFINITY);
+      const float m_new = fmaxf(m[r], mt);
+      const float corr = m_new == -INFINITY ? 1.f : exp2f(m[r] - m_new);
+      pr[r] = valid ? exp2f(sc[r] - m_new) : 0.f;
+      l[r] = l[r] * corr + pr[r];
+      m[r] = m_new;
+#pragma unroll
+      for (int e = 0; e < DL; ++e) o[r][e] *= corr;
+    }
+    const int n = min(kKeyTile, hi - t0);
+#pragma unroll
+    for (int k0 = 0; k0 < kKeyTile; k0 += 8) {
+      if (k0 >= n) break;
+      float v[8][DL];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int key = t0 + k0 + u;
+        if (k0 + u < n) {
+          const __half* vr = key >= past ? row.token0 + size_t(key - past) * row.stride + (p.H + p.Hkv + g) * D
+                                         : p.v_cache + row.cache0 + size_t(key) * D;
+#pragma unroll
+          for (int e = 0; e < DL; e += 2) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(vr + lane * DL + e));
+            v[u][e] = f.x;
+            v[u][e + 1] = f.y;
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < DL; ++e) v[u][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float pk = __shfl_sync(0xffffffffu, pr[r], k0 + u);
+#pragma unroll
+          for (int e = 0; e < DL; ++e) o[r][e] = fmaf(pk, v[u][e], o[r][e]);
+        }
+    }
+  }
+
+  // Merge the warps: (m, l, o) per row.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float lr = warp_sum(l[r]);
+    if (lane == 0) {
+      m_s[warp][r] = m[r];
+      l_s[warp][r] = lr;
+    }
+#pragma unroll
+    for (int e = 0; e < DL; ++e) o_s[warp][r][lane * DL + e] = o[r][e];
+  }
+  __syncthreads();
+  const int triple = blockIdx.z * p.Hkv + g;
+  auto record = [&](int sp, int r) { return partials + ((size_t(triple) * splits + sp) * R + r) * (D + 2); };
+  for (int i = threadIdx.x; i < R * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][r]);
+    float sum = 0.f, acc = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float wt = exp2f(m_s[w][r] - mx);
+        sum += l_s[w][r] * wt;
+        acc += o_s[w][r][d] * wt;
+      }
+    }
+    if (splits == 1) {
+      if (r < rows) out_at(r, d) = __float2half_rn(acc / sum);
+    } else if (split < used) {
+      float* rec = record(split, r);
+      if (d == 0) {
+        rec[0] = mx;
+        rec[1] = sum;
+      }
+      rec[2 + d] = acc;
+    }
+  }
+  if (splits == 1) return;
+
+  // The last block of the (row, tile, head) to finish merges the used splits, in split order.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_s = atomicAdd(&counters[triple], 1) == splits - 1;
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < rows * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    float mx = -INFINITY;
+    for (int sp = 0; sp < used; ++sp) mx = fmaxf(mx, __ldcg(record(sp, r)));
+    float sum = 0.f, acc = 0.f;
+    for (int sp = 0; sp < used; ++sp) {
+      const float* rec = record(sp, r);
+      const float mr = __ldcg(rec);
+      if (mr == -INFINITY) continue;
+      const float wt = exp2f(mr - mx);
+      sum += __ldcg(rec + 1) * wt;
+      acc += __ldcg(rec + 2 + d) * wt;
+    }
+    out_at(r, d) = __float2half_rn(acc / sum);
+  }
+  if (threadIdx.x == 0) counters[triple] = 0;
+}
+
+template <int D, int R>
+cudaError_t launch_dr(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
+                      cudaStream_t stream) {
+  const dim3 grid(plan.splits, p.Hkv, p.B * plan.tiles);
+  return launch_kernel(attention_kernel<D, R>, grid, kThreads, 0, stream, plan.dependent, p, plan.tile_tokens,
+                       plan.tiles, plan.splits, partials, counters);
+}
+
+template <int D>
+cudaError_t launch_d(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
+                     cudaStream_t stream) {
+  switch (plan.rows_max) {
+    case 4: return launch_dr<D, 4>(p, plan, partials, counters, stream);
+    case 8: return launch_dr<D, 8>(p, plan, partials, counters, stream);
+    default: return launch_dr<D, 16>(p, plan, partials, counters, stream);
+  }
+}
+
+}  // namespace
+
+const char* attention_check(const AttentionProblem& p) {
+  if (p.B <= 0 || p.S <= 0 || p.H <= 0 || p.Hkv <= 0 || p.C <= 0 || p.P <= 0) return "empty or negative dimension";
+  if (p.D != 64 && p.D != 128) return "head size must be 64 or 128";
+  if (p.H % p.Hkv != 0) return "num_heads must be a multiple of kv_num_heads";
+  if (p.H / p.Hkv > 16) return "at most 16 query heads per KV head";
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return "scale must be positive";
+  if (p.max_total < 1 || p.max_total > p.C) return "total_sequence_length must be in [1, the cache capacity]";
+  for (const void* ptr : {static_cast<const void*>(p.qkv), static_cast<const void*>(p.k_cache),
+                          static_cast<const void*>(p.v_cache), static_cast<const void*>(p.cos),
+                          static_cast<const void*>(p.sin)})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return "qkv, caches and rotary tables must be 16-byte aligned";
+  return "";
+}
+
+AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
+  AttentionPlan plan;
+  const int G = p.H / p.Hkv;
+  plan.rows_max = p.S == 1 ? (G <= 4 ? 4 : G <= 8 ? 8 : 16) : 16;  // prefill: several tokens share K/V reads
+  plan.tile_tokens = std::max(1, std::min(plan.rows_max / G, p.S));
+  plan.tiles = (p.S + plan.tile_tokens - 1) / plan.tile_tokens;
+  const long triples = long(p.B) * plan.tiles * p.Hkv;
+  if (triples < sms) {  // too few blocks to fill the GPU: split the keys
+    const int by_keys = (p.max_total + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
+    const int by_gpu = int((2L * sms + triples - 1) / triples);
+    plan.splits = std::max(1, std::min({kMaxSplits, by_keys, by_gpu}));
+  }
+  if (plan.splits > 1) {
+    plan.partial_floats = size_t(triples) * plan.splits * plan.rows_max * (p.D + 2);
+    plan.counters = size_t(triples);
+  }
+  return plan;
+}
+
+cudaError_t attention_launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials,
+                             int32_t* counters, cudaStream_t stream) {
+  return p.D == 64 ? launch_d<64>(p, plan, partials, counters, stream)
+                   : launch_d<128>(p, plan, partials, counters, stream);
+}
+
+void attention_reference(const AttentionProblem& p) {
+  const int G = p.H / p.Hkv, D = p.D, HALF = D / 2, stride = (p.H + 2 * p.Hkv) * D;
+  auto f = [](const __half& h) { return __half2float(h); };
+  std::vector<float> q(D), score;
+  for (int b = 0; b < p.B; ++b) {
+    const int total = p.seqlens[b] + 1, past = total - p.S;
+    const __half* tok = p.qkv + size_t(b) * p.S * stride;
+    __half* out = p.out + size_t(b) * p.S * p.H * D;
+    if (past < 0 || total > p.C || total > p.P) {
+      std::fill(out, out + size_t(p.S) * p.H * D, __float2half(NAN));
+      continue;
+    }
+    for (int s = 0; s < p.S; ++s) {  // the new keys (rotated) and values into the cache
+      const int pos = past + s;
+      for (int g = 0; g < p.Hkv; ++g) {
+        const __half* k = tok + size_t(s) * stride + (p.H + g) * D;
+        const __half* v = k + p.Hkv * D;
+        const size_t at = ((size_t(b) * p.Hkv + g) * p.C + pos) * D;
+        for (int d = 0; d < HALF; ++d) {
+          float y1, y2;
+          rotate(f(k[d]), f(k[d + HALF]), f(p.cos[size_t(pos) * HALF + d]), f(p.sin[size_t(pos) * HALF + d]), y1, y2);
+          p.k_cache[at + d] = __float2half_rn(y1);
+          p.k_cache[at + d + HALF] = __float2half_rn(y2);
+          p.v_cache[at + d] = v[d];
+          p.v_cache[at + d + HALF] = v[d + HALF];
+        }
+      }
+    }
+    for (int s = 0; s < p.S; ++s) {
+      const int pos = past + s;
+      for (int h = 0; h < p.H; ++h) {
+        const int g = h / G;
+        const __half* qh = tok + size_t(s) * stride + h * D;
+        for (int d = 0; d < HALF; ++d)
+          rotate(f(qh[d]), f(qh[d + HALF]), f(p.cos[size_t(pos) * HALF + d]), f(p.sin[size_t(pos) * HALF + d]), q[d],
+                 q[d + HALF]);
+        const size_t c0 = (size_t(b) * p.Hkv + g) * p.C * D;
+        score.assign(pos + 1, 0.f);
+        float mx = -INFINITY;
+        for (int j = 0; j <= pos; ++j) {
+          float dot = 0.f;
+          for (int d = 0; d < D; ++d) dot += q[d] * f(p.k_cache[c0 + size_t(j) * D + d]);
+          score[j] = dot * p.scale;
+          mx = std::max(mx, score[j]);
+        }
+        float sum = 0.f;
+        for (float& sj : score) sum += (sj = std::exp(sj - mx));
+        for (int d = 0; d < D; ++d) {
+          float acc = 0.f;
+          for (int j = 0; j <= pos; ++j) acc += score[j] * f(p.v_cache[c0 + size_t(j) * D + d]);
+          out[(size_t(s) * p.H + h) * D + d] = __float2half_rn(acc / sum);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace enginesmith

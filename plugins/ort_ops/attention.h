@@ -1,0 +1,77 @@
+// Group-query attention with rotary embedding over a dense KV cache: one kernel for what
+// com.microsoft.GroupQueryAttention does in ORT CUDA with five (rotary + cache append, sequence
+// lengths, a fill, the attention and its split reduction).
+//
+// Dimension legend: B rows (sequences), S new tokens per row, H query heads, Hkv key/value heads
+// (G = H / Hkv query heads share one), D head size, C cache capacity, P positions in the rotary tables.
+//
+// Layouts (GroupQueryAttention's, packed QKV, past and present in one buffer):
+//   qkv      [B, S, (H + 2 Hkv) D]   fp16: q heads, then k heads, then v heads of each token
+//   k_cache  [B, Hkv, C, D]          fp16 (v_cache likewise): read for positions < past, written at
+//                                    the S new positions
+//   seqlens  [B] int32               tokens in row b after this step, minus 1
+//   cos, sin [P, D / 2]              fp16 rotary tables (half-split rotation, not interleaved)
+//   out      [B, S, H D]             fp16
+// Row b holds past = seqlens[b] + 1 - S cached tokens; new token s sits at position past + s and
+// attends causally to positions 0 .. past + s. q and k are rotated at their positions, rounded to fp16
+// (what goes into the cache), scores and softmax are fp32, the output is rounded once.
+//
+// Rows whose seqlens are out of range (past < 0, or past + S beyond C or P) get NaN outputs and leave
+// the cache untouched (never a plausible wrong number).
+//
+// Work split: a thread block takes (KV head, a tile of query tokens, row) and one of `splits` ranges
+// of the keys (flash decoding). The new keys and values are read from qkv (the cache is written by the
+// split-0 blocks, which nobody reads in the same launch). With splits > 1 every block writes its
+// partial (max, sum, unnormalized output) to the workspace and bumps a counter; the last block of the
+// (row, tile, head) merges the splits and resets the counter, so one kernel does it all and the
+// counters stay zero between calls (CUDA-graph replays need no memset).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace enginesmith {
+
+struct AttentionProblem {
+  const __half* qkv = nullptr;
+  __half* k_cache = nullptr;
+  __half* v_cache = nullptr;
+  const int32_t* seqlens = nullptr;
+  const __half* cos = nullptr;
+  const __half* sin = nullptr;
+  __half* out = nullptr;
+  int B = 0, S = 0, H = 0, Hkv = 0, D = 0, C = 0, P = 0;
+  float scale = 0.f;
+  int max_total = 0;  // host-side bound of seqlens[b] + 1 (total_sequence_length): sizes the splits
+};
+
+// What the CUDA launch needs besides the problem: its grid, and workspace sizes for splits > 1.
+struct AttentionPlan {
+  int rows_max = 0;      // R: query rows (token x head in group) a block holds, 4, 8 or 16
+  int tile_tokens = 0;   // query tokens per block
+  int tiles = 0;         // ceil(S / tile_tokens)
+  int splits = 1;        // key ranges per (row, tile, head)
+  size_t partial_floats = 0;  // workspace floats (splits > 1)
+  size_t counters = 0;        // workspace int32 counters (splits > 1)
+  bool dependent = false;     // a programmatic dependent launch (launch.cuh)
+};
+
+// Empty string when the problem is valid, else what is wrong.
+const char* attention_check(const AttentionProblem& p);
+
+// The launch shape on a device with `sms` multiprocessors.
+AttentionPlan attention_plan(const AttentionProblem& p, int sms);
+
+// Runs it on `stream`. With plan.splits > 1, `partials` and `counters` must hold plan.partial_floats
+// and plan.counters; the counters zero before the first call (each call leaves them zero), and one
+// workspace must not serve two launches in flight at once.
+cudaError_t attention_launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials,
+                             int32_t* counters, cudaStream_t stream);
+
+// CPU reference with the same semantics and rounding points (host pointers).
+void attention_reference(const AttentionProblem& p);
+
+}  // namespace enginesmith

@@ -1,0 +1,195 @@
+"""com.enginesmith.GroupQueryAttention (plugins/ort_ops/attention.h) and the ort_attention pass.
+
+CPU (here and in CI): the op's CPU kernel against ONNX Runtime's own com.microsoft.GroupQueryAttention
+(the oracle: the op claims its semantics) on the same inputs, output and present KV; bad inputs.
+GPU (marked gpu): the CUDA kernel against the CPU kernel, decode (split keys, the last-block merge,
+repeated calls) and prefill shapes, on ORT's stream and a user stream; the cache updated in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto as T  # noqa: E402
+from onnx import helper  # noqa: E402
+
+from test_ort_ops import _session, gpu, ops_lib  # noqa: E402,F401  (ops_lib: the fixture)
+
+INPUTS = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"]
+
+
+def _model(ours: bool, h: int, hkv: int, d: int, scale: float):
+    attrs = dict(num_heads=h, kv_num_heads=hkv, scale=scale)
+    if ours:
+        node = helper.make_node("GroupQueryAttention", INPUTS, ["out", "present_key", "present_value"],
+                                domain="com.enginesmith", **attrs)
+    else:
+        ins = [INPUTS[0], "", ""] + INPUTS[1:]
+        node = helper.make_node("GroupQueryAttention", ins, ["out", "present_key", "present_value"],
+                                domain="com.microsoft", do_rotary=1, rotary_interleaved=0, **attrs)
+    f16 = T.FLOAT16
+    inputs = [helper.make_tensor_value_info("qkv", f16, None), helper.make_tensor_value_info("past_key", f16, None),
+              helper.make_tensor_value_info("past_value", f16, None),
+              helper.make_tensor_value_info("seqlens_k", T.INT32, None),
+              helper.make_tensor_value_info("total_sequence_length", T.INT32, []),
+              helper.make_tensor_value_info("cos_cache", f16, None), helper.make_tensor_value_info("sin_cache", f16, None)]
+    outputs = [helper.make_tensor_value_info(n, f16, None) for n in ("out", "present_key", "present_value")]
+    graph = helper.make_graph([node], "g", inputs, outputs)
+    return helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("com.enginesmith", 1), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _feeds(rng, b, s, h, hkv, d, cap, pasts, positions=None):
+    """Random qkv and caches; rows hold `pasts[i]` cached tokens (the rest of the buffer is noise that
+    must stay unread); llama-style rotary tables over `positions` (default: the capacity)."""
+    positions = positions or cap
+    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    ang = np.arange(positions)[:, None] * inv[None, :]
+    total = np.asarray(pasts) + s
+    return {
+        "qkv": rng.standard_normal((b, s, (h + 2 * hkv) * d)).astype(np.float16),
+        "past_key": rng.standard_normal((b, hkv, cap, d)).astype(np.float16),
+        "past_value": rng.standard_normal((b, hkv, cap, d)).astype(np.float16),
+        "seqlens_k": (total - 1).astype(np.int32),
+        "total_sequence_length": np.array(total.max(), dtype=np.int32),
+        "cos_cache": np.cos(ang).astype(np.float16),
+        "sin_cache": np.sin(ang).astype(np.float16),
+    }
+
+
+# (B, S, H, Hkv, D, capacity, pasts): decode, GQA groups of 1-8, both head sizes, prefill with and
+# without a past, rows of different lengths.
+CASES = [
+    (2, 1, 8, 2, 64, 64, [5, 30]),
+    (1, 1, 9, 3, 64, 48, [17]),       # SmolLM2's heads
+    (1, 1, 32, 8, 64, 300, [257]),    # Llama-3.2-1B's
+    (1, 5, 6, 2, 128, 32, [0]),       # a prompt
+    (1, 3, 4, 4, 64, 40, [10]),
+    (1, 4, 16, 2, 128, 64, [7]),
+]
+
+
+def _compare(got, want, totals):
+    """Outputs close; the caches' first totals[b] positions of each row (ORT's CPU kernel leaves the
+    rest of a separate present buffer zero) close for keys (rotated: rounding may differ) and equal
+    for values."""
+    out, w_out = got[0].astype(np.float32), want[0].astype(np.float32)
+    assert np.isfinite(out).all()
+    assert np.abs(out - w_out).max() <= 2e-3 * max(1.0, float(np.abs(w_out).max())), float(np.abs(out - w_out).max())
+    for b, total in enumerate(totals):
+        pk, w_pk = (a[b, :, :total].astype(np.float32) for a in (got[1], want[1]))
+        assert np.abs(pk - w_pk).max() <= 2e-3 * float(np.abs(w_pk).max()), float(np.abs(pk - w_pk).max())
+        assert np.array_equal(got[2][b, :, :total], want[2][b, :, :total])
+
+
+@pytest.mark.parametrize("b,s,h,hkv,d,cap,pasts", CASES)
+def test_cpu_kernel_matches_ort_group_query_attention(ops_lib, b, s, h, hkv, d, cap, pasts):
+    rng = np.random.default_rng(b * 100 + s * 10 + h)
+    feeds = _feeds(rng, b, s, h, hkv, d, cap, pasts)
+    scale = 1.0 / np.sqrt(d)
+    want = ort.InferenceSession(_model(False, h, hkv, d, scale).SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = _session(_model(True, h, hkv, d, scale), ops_lib).run(None, feeds)
+    _compare(got, want, feeds["seqlens_k"] + 1)
+    # positions past the new tokens are untouched
+    for i, past in enumerate(pasts):
+        end = past + s
+        assert np.array_equal(got[1][i, :, end:], feeds["past_key"][i, :, end:])
+        assert np.array_equal(got[2][i, :, :past], feeds["past_value"][i, :, :past])
+
+
+def test_rows_out_of_range_give_nan_not_numbers(ops_lib):
+    rng = np.random.default_rng(3)
+    feeds = _feeds(rng, 2, 1, 4, 2, 64, 16, [3, 3])
+    feeds["seqlens_k"] = np.array([3, 40], dtype=np.int32)  # row 1: beyond the capacity
+    out, pk, _ = _session(_model(True, 4, 2, 64, 0.125), ops_lib).run(None, feeds)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+    assert np.array_equal(pk[1], feeds["past_key"][1])  # its cache untouched
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(d=96), "head size must be 64 or 128"),
+    (dict(total=99), "total_sequence_length must be in"),
+    (dict(cos_rows=None), "cos_cache and sin_cache must be float16"),
+])
+def test_bad_inputs_are_named(ops_lib, change, message):
+    d = change.get("d", 64)
+    rng = np.random.default_rng(0)
+    feeds = _feeds(rng, 1, 1, 4, 2, d, 16, [3])
+    if "total" in change:
+        feeds["total_sequence_length"] = np.array(change["total"], dtype=np.int32)
+    if "cos_rows" in change:
+        feeds["cos_cache"] = feeds["cos_cache"][:, :-1].copy()
+    with pytest.raises(Exception, match=message):
+        _session(_model(True, 4, 2, d, 0.125), ops_lib).run(None, feeds)
+
+
+def test_heads_not_a_multiple_fail_at_session_creation(ops_lib):
+    with pytest.raises(Exception, match="num_heads must be a positive multiple of kv_num_heads"):
+        _session(_model(True, 6, 4, 64, 0.125), ops_lib)
+
+
+# GPU: the CUDA kernel against the CPU kernel. Long pasts split the keys across blocks (merged by the
+# last block); rows of one call have different lengths.
+GPU_CASES = CASES + [
+    (1, 1, 32, 8, 64, 4096, [3000]),
+    (1, 1, 32, 8, 128, 8192, [8000]),
+    (3, 1, 32, 8, 64, 2048, [1, 700, 2000]),
+    (1, 1, 12, 12, 64, 1024, [1023 - 1]),
+    (2, 9, 32, 8, 64, 1024, [100, 900]),     # speculative verification, rows of different lengths
+    (2, 3, 4, 4, 64, 40, [2, 10]),
+    (1, 130, 32, 8, 64, 256, [0]),           # a prompt over several tiles
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,h,hkv,d,cap,pasts", GPU_CASES)
+@pytest.mark.parametrize("stream", ["user", "ort"])
+def test_cuda_kernel_matches_cpu_kernel(ops_lib, b, s, h, hkv, d, cap, pasts, stream):
+    rng = np.random.default_rng(b * 1000 + s * 10 + d)
+    feeds = _feeds(rng, b, s, h, hkv, d, cap, pasts)
+    model = _model(True, h, hkv, d, 1.0 / np.sqrt(d))
+    want = _session(model, ops_lib).run(None, feeds)
+    cuda = _session(model, ops_lib, cuda=stream)
+    for _ in range(3):  # the split counters must come back to zero after every call
+        got = cuda.run(None, feeds)
+        _compare(got, want, [cap] * b)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_kernel_updates_a_shared_cache_in_place(ops_lib):
+    """past and present bound to one device buffer (as GqaEngine binds them): the cache grows in place
+    over decode steps, and each step's output matches the CPU kernel's."""
+    import torch
+
+    h, hkv, d, cap = 32, 8, 64, 1024
+    rng = np.random.default_rng(5)
+    model = _model(True, h, hkv, d, 0.125)
+    cpu, cuda = _session(model, ops_lib), _session(model, ops_lib, cuda="ort")
+    feeds = _feeds(rng, 1, 1, h, hkv, d, cap, [600])
+    k_ref, v_ref = feeds["past_key"], feeds["past_value"]
+    k_dev, v_dev = torch.from_numpy(k_ref.copy()).cuda(), torch.from_numpy(v_ref.copy()).cuda()
+    for step in range(4):
+        past = 600 + step
+        feeds.update(qkv=rng.standard_normal((1, 1, (h + 2 * hkv) * d)).astype(np.float16),
+                     seqlens_k=np.array([past], dtype=np.int32), total_sequence_length=np.array(past + 1, np.int32),
+                     past_key=k_ref, past_value=v_ref)
+        want, k_ref, v_ref = cpu.run(None, feeds)
+        io = cuda.io_binding()
+        for name in ("qkv", "seqlens_k", "cos_cache", "sin_cache"):
+            io.bind_cpu_input(name, feeds[name])
+        io.bind_cpu_input("total_sequence_length", feeds["total_sequence_length"])
+        for name, t in (("past_key", k_dev), ("present_key", k_dev), ("past_value", v_dev), ("present_value", v_dev)):
+            bind = io.bind_output if name.startswith("present") else io.bind_input
+            bind(name, "cuda", 0, np.float16, list(t.shape), t.data_ptr())
+        io.bind_output("out", "cpu")
+        cuda.run_with_iobinding(io)
+        got = io.copy_outputs_to_cpu()[0]
+        assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 2e-3 * max(1.0, float(np.abs(want).max()))
+        assert np.abs(k_dev.cpu().numpy().astype(np.float32) - k_ref.astype(np.float32)).max() <= 2e-3 * 4
+        assert np.array_equal(v_dev.cpu().numpy(), v_ref)

@@ -48,3 +48,22 @@ def kernels_lib(plugin_build):
 @pytest.fixture(scope="session")
 def reference():
     return load("reference")
+
+
+@pytest.fixture(scope="module")
+def ops_lib(request):
+    """The library: $ENGINESMITH_ORT_OPS_LIB if it names a built one (the GPU machine), else the
+    session's plugin build (named in the environment for this module only: lower_for_cuda's default
+    would otherwise pick the ops up in later tests)."""
+    env = os.environ.get("ENGINESMITH_ORT_OPS_LIB")
+    if env and Path(env).is_file():
+        yield Path(env)
+        return
+    path = request.getfixturevalue("plugin_build") / "libenginesmith_ort_ops.so"
+    assert path.exists(), f"{path} was not built"
+    os.environ["ENGINESMITH_ORT_OPS_LIB"] = str(path)
+    yield path
+    if env is None:
+        os.environ.pop("ENGINESMITH_ORT_OPS_LIB", None)
+    else:
+        os.environ["ENGINESMITH_ORT_OPS_LIB"] = env

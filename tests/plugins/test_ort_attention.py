@@ -16,7 +16,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto as T  # noqa: E402
 from onnx import helper  # noqa: E402
 
-from test_ort_ops import _session, gpu, ops_lib  # noqa: E402,F401  (ops_lib: the fixture)
+from test_ort_ops import _session, gpu  # noqa: E402
 
 INPUTS = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"]
 

@@ -51,7 +51,7 @@ def _kernels(run) -> dict[str, list[float]]:
         trace = json.loads(Path(f.name).read_text())
     out: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for e in trace.get("traceEvents", []):
-        if e.get("cat") == "kernel":
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):  # copies and memsets are GPU work too
             row = out[e["name"]]
             row[0] += 1
             row[1] += float(e.get("dur", 0.0))

@@ -20,10 +20,12 @@
 namespace enginesmith {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kKeyTile = 32;                          // keys a warp scores at once (one per lane)
-constexpr int kMinKeysPerSplit = kWarps * kKeyTile;  // every warp of a split has a tile
+constexpr int kKeyTile = 32;  // keys a warp scores at once (one per lane)
+// Warps per block: as many as shared memory (their outputs, R x D floats each) and registers allow,
+// so a few hundred keys take one tile per warp (the kernel is latency-bound at decode sizes).
+__host__ __device__ constexpr int warps_for(int D, int R) { return D == 64 && R == 4 ? 16 : D == 128 && R == 16 ? 4 : 8; }
+// A split costs a merge through global memory: only past two tiles per warp.
+__host__ __device__ constexpr int min_keys_per_split(int D, int R) { return 2 * warps_for(D, R) * kKeyTile; }
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -68,15 +70,17 @@ struct Row {  // where a (row, token) of the problem lives
   size_t cache0;         // k/v cache offset of (row, KV head g, position 0)
 };
 
-template <int D, int R>
+template <int D, int R, int kWarps = warps_for(D, R), int kThreads = kWarps * 32>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p, int tile_tokens, int tiles,
                                                              int splits, float* partials, int32_t* counters) {
   constexpr int DL = D / 32;  // output dims per lane
   constexpr int HALF = D / 2;
+  constexpr int VG = kWarps == 16 || D == 128 ? (R <= 8 ? 16 : 8) : kKeyTile;  // V rows loaded ahead, as registers allow
   __shared__ float q_s[R][D];  // rotated q (fp16 values) times scale * log2(e); rows >= `rows` are 0
   __shared__ float m_s[kWarps][R], l_s[kWarps][R];
-  __shared__ float o_s[kWarps][R][D];
+  __shared__ float o_s[kWarps][R][D];  // the warps' outputs; then (last block) the splits' weights
   __shared__ int last_s;
+  static_assert(kWarps * D >= kMaxSplits + 1, "the last block's merge weights fit in o_s");
 
   allow_next_kernel();  // the next kernel may preload its weights; it waits for this one to finish
   wait_for_previous_kernel();
@@ -96,40 +100,45 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
       for (int i = threadIdx.x; i < rows * D; i += kThreads) out_at(i / D, i % D) = __float2half(NAN);
     return;
   }
+  // q rotated into shared memory; the split-0 block also writes the tile's new keys (rotated) and
+  // values into the cache. All loads of an iteration are issued before any is used.
   const float q_scale = p.scale * kLog2e;
   for (int i = threadIdx.x; i < R * HALF; i += kThreads) {
-    const int r = i / HALF, d = i % HALF;
-    float y1 = 0.f, y2 = 0.f;
-    if (r < rows) {
-      const int s = s0 + r / G, pos = past + s;
-      const __half* q = row.token0 + size_t(s) * row.stride + (g * G + r % G) * D;
-      rotate(__half2float(q[d]), __half2float(q[d + HALF]), __half2float(p.cos[size_t(pos) * HALF + d]),
-             __half2float(p.sin[size_t(pos) * HALF + d]), y1, y2);
+    const int r = i / HALF, d = i % HALF;         // q: row r (token r / G of the tile, head r % G)
+    const bool q_row = r < rows, kv_row = split == 0 && i < qn * HALF;  // k, v: token i / HALF
+    const int q_pos = past + s0 + r / G, kv_pos = past + s0 + i / HALF;
+    const __half* q = row.token0 + size_t(s0 + r / G) * row.stride + (g * G + r % G) * D;
+    const __half* k = row.token0 + size_t(s0 + i / HALF) * row.stride + (p.H + g) * D;
+    const __half* v = k + p.Hkv * D;
+    __half q1, q2, qc, qs, k1, k2, v1, v2, kc, ks;
+    if (q_row) {
+      q1 = q[d], q2 = q[d + HALF];
+      qc = p.cos[size_t(q_pos) * HALF + d], qs = p.sin[size_t(q_pos) * HALF + d];
     }
+    if (kv_row) {
+      k1 = k[d], k2 = k[d + HALF], v1 = v[d], v2 = v[d + HALF];
+      kc = p.cos[size_t(kv_pos) * HALF + d], ks = p.sin[size_t(kv_pos) * HALF + d];
+    }
+    float y1 = 0.f, y2 = 0.f;
+    if (q_row) rotate(__half2float(q1), __half2float(q2), __half2float(qc), __half2float(qs), y1, y2);
     q_s[r][d] = y1 * q_scale;
     q_s[r][d + HALF] = y2 * q_scale;
-  }
-  if (split == 0) {  // the tile's new keys (rotated) and values into the cache
-    for (int i = threadIdx.x; i < qn * HALF; i += kThreads) {
-      const int s = s0 + i / HALF, d = i % HALF, pos = past + s;
-      const __half* k = row.token0 + size_t(s) * row.stride + (p.H + g) * D;
-      const __half* v = k + p.Hkv * D;
-      float y1, y2;
-      rotate(__half2float(k[d]), __half2float(k[d + HALF]), __half2float(p.cos[size_t(pos) * HALF + d]),
-             __half2float(p.sin[size_t(pos) * HALF + d]), y1, y2);
-      __half* kc = p.k_cache + row.cache0 + size_t(pos) * D;
-      __half* vc = p.v_cache + row.cache0 + size_t(pos) * D;
-      kc[d] = __float2half_rn(y1);
-      kc[d + HALF] = __float2half_rn(y2);
-      vc[d] = v[d];
-      vc[d + HALF] = v[d + HALF];
+    if (kv_row) {
+      rotate(__half2float(k1), __half2float(k2), __half2float(kc), __half2float(ks), y1, y2);
+      __half* kd = p.k_cache + row.cache0 + size_t(kv_pos) * D;
+      __half* vd = p.v_cache + row.cache0 + size_t(kv_pos) * D;
+      kd[d] = __float2half_rn(y1);
+      kd[d + HALF] = __float2half_rn(y2);
+      vd[d] = v1;
+      vd[d + HALF] = v2;
     }
   }
   __syncthreads();
 
   // This split's keys: [lo, hi) of the tile's causal range [0, past + s0 + qn).
   const int keys = past + s0 + qn;
-  const int per_split = max(kMinKeysPerSplit, (keys + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int per_split =
+      max(min_keys_per_split(D, R), (keys + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
   const int used = (keys + per_split - 1) / per_split;
   const int lo = split * per_split, hi = min(keys, lo + per_split);
 
@@ -141,77 +150,99 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
 #pragma unroll
     for (int j = 0; j < DL; ++j) o[r][j] = 0.f;
   }
+  // A new key or value (position >= past) comes from qkv: the cache write above is not visible yet.
+  auto k_row = [&](int j) {
+    return j >= past ? row.token0 + size_t(j - past) * row.stride + (p.H + g) * D : p.k_cache + row.cache0 + size_t(j) * D;
+  };
+  auto v_row = [&](int j) {
+    return j >= past ? row.token0 + size_t(j - past) * row.stride + (p.H + p.Hkv + g) * D
+                     : p.v_cache + row.cache0 + size_t(j) * D;
+  };
+  auto load_v = [&](int t0, int k0, uint2 (&v)[VG]) {  // lane's DL dims of keys t0 + k0 .. + VG - 1
+#pragma unroll
+    for (int u = 0; u < VG; ++u) {
+      const int key = t0 + k0 + u;
+      v[u] = make_uint2(0, 0);
+      if (key < hi) {
+        const __half* vr = v_row(key) + lane * DL;
+        if constexpr (DL == 2) v[u].x = *reinterpret_cast<const uint32_t*>(vr);
+        else v[u] = *reinterpret_cast<const uint2*>(vr);
+      }
+    }
+  };
 
   for (int t0 = lo + warp * kKeyTile; t0 < hi; t0 += kWarps * kKeyTile) {
     const int j = t0 + lane;
-    float sc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) sc[r] = 0.f;
+    // issue the tile's K row (lane j) and V loads first: one memory latency per tile
+    uint4 kv[D / 8];
     if (j < hi) {
-      const bool fresh = j >= past;  // a new key: from qkv, rotated here as the cache write does
-      const __half* k = fresh ? row.token0 + size_t(j - past) * row.stride + (p.H + g) * D
-                              : p.k_cache + row.cache0 + size_t(j) * D;
+      const __half* k = k_row(j);
 #pragma unroll
-      for (int c = 0; c < HALF; c += 8) {
-        float x1[8], x2[8];
-        to_floats(*reinterpret_cast<const uint4*>(k + c), x1);
-        to_floats(*reinterpret_cast<const uint4*>(k + c + HALF), x2);
-        if (fresh) {
-          float cs[8], sn[8];
-          to_floats(*reinterpret_cast<const uint4*>(p.cos + size_t(j) * HALF + c), cs);
-          to_floats(*reinterpret_cast<const uint4*>(p.sin + size_t(j) * HALF + c), sn);
+      for (int c = 0; c < D / 8; ++c) kv[c] = *reinterpret_cast<const uint4*>(k + c * 8);
+    } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) rotate(x1[e], x2[e], cs[e], sn[e], x1[e], x2[e]);
-        }
+      for (int c = 0; c < D / 8; ++c) kv[c] = make_uint4(0, 0, 0, 0);
+    }
+    uint2 v[VG];
+    load_v(t0, 0, v);
+    float sc[R][2];  // two chains per row (halves of the head)
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) sc[r][0] = sc[r][1] = 0.f;
+    const bool fresh = j < hi && j >= past;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) sc[r] = fmaf(q_s[r][c + e], x1[e], fmaf(q_s[r][c + e + HALF], x2[e], sc[r]));
+    for (int c = 0; c < HALF; c += 8) {
+      float x1[8], x2[8];
+      to_floats(kv[c / 8], x1);
+      to_floats(kv[(c + HALF) / 8], x2);
+      if (fresh) {  // rotated as the cache write does
+        float cs[8], sn[8];
+        to_floats(*reinterpret_cast<const uint4*>(p.cos + size_t(j) * HALF + c), cs);
+        to_floats(*reinterpret_cast<const uint4*>(p.sin + size_t(j) * HALF + c), sn);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) rotate(x1[e], x2[e], cs[e], sn[e], x1[e], x2[e]);
       }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          sc[r][0] = fmaf(q_s[r][c + e], x1[e], sc[r][0]);
+          sc[r][1] = fmaf(q_s[r][c + e + HALF], x2[e], sc[r][1]);
+        }
     }
     float pr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const bool valid = j < hi && r < rows && j <= past + s0 + r / G;
-      const float mt = warp_max(valid ? sc[r] : -INFINITY);
+      const float score = sc[r][0] + sc[r][1];
+      const float mt = warp_max(valid ? score : -INFINITY);
       const float m_new = fmaxf(m[r], mt);
       const float corr = m_new == -INFINITY ? 1.f : exp2f(m[r] - m_new);
-      pr[r] = valid ? exp2f(sc[r] - m_new) : 0.f;
+      pr[r] = valid ? exp2f(score - m_new) : 0.f;
       l[r] = l[r] * corr + pr[r];
       m[r] = m_new;
 #pragma unroll
       for (int e = 0; e < DL; ++e) o[r][e] *= corr;
     }
-    const int n = min(kKeyTile, hi - t0);
 #pragma unroll
-    for (int k0 = 0; k0 < kKeyTile; k0 += 8) {
-      if (k0 >= n) break;
-      float v[8][DL];
+    for (int k0 = 0; k0 < kKeyTile; k0 += VG) {
+      if (k0 > 0) load_v(t0, k0, v);
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int key = t0 + k0 + u;
-        if (k0 + u < n) {
-          const __half* vr = key >= past ? row.token0 + size_t(key - past) * row.stride + (p.H + p.Hkv + g) * D
-                                         : p.v_cache + row.cache0 + size_t(key) * D;
+      for (int u = 0; u < VG; ++u) {
+        float vf[DL];
+        const __half2* vh = reinterpret_cast<const __half2*>(&v[u]);
 #pragma unroll
-          for (int e = 0; e < DL; e += 2) {
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(vr + lane * DL + e));
-            v[u][e] = f.x;
-            v[u][e + 1] = f.y;
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < DL; ++e) v[u][e] = 0.f;
+        for (int e = 0; e < DL; e += 2) {
+          const float2 f = __half22float2(vh[e / 2]);
+          vf[e] = f.x;
+          vf[e + 1] = f.y;
         }
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const float pk = __shfl_sync(0xffffffffu, pr[r], k0 + u);
 #pragma unroll
-          for (int e = 0; e < DL; ++e) o[r][e] = fmaf(pk, v[u][e], o[r][e]);
+          for (int e = 0; e < DL; ++e) o[r][e] = fmaf(pk, vf[e], o[r][e]);
         }
+      }
     }
   }
 
@@ -263,20 +294,28 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
   __syncthreads();
   if (!last_s) return;
   __threadfence();
+  float* w_s = &o_s[0][0][0];  // [used][R] weights 2^(m - max), then [R] 1 / sum
+  float* inv_s = w_s + kMaxSplits * R;
+  for (int i = threadIdx.x; i < used * R; i += kThreads) w_s[i] = __ldcg(record(i / R, i % R));
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int sp = 0; sp < used; ++sp) mx = fmaxf(mx, w_s[sp * R + r]);
+    for (int sp = 0; sp < used; ++sp) {
+      const float mr = w_s[sp * R + r];
+      const float wt = mr == -INFINITY ? 0.f : exp2f(mr - mx);
+      sum += __ldcg(record(sp, r) + 1) * wt;
+      w_s[sp * R + r] = wt;
+    }
+    inv_s[r] = 1.f / sum;
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < rows * D; i += kThreads) {
     const int r = i / D, d = i % D;
-    float mx = -INFINITY;
-    for (int sp = 0; sp < used; ++sp) mx = fmaxf(mx, __ldcg(record(sp, r)));
-    float sum = 0.f, acc = 0.f;
-    for (int sp = 0; sp < used; ++sp) {
-      const float* rec = record(sp, r);
-      const float mr = __ldcg(rec);
-      if (mr == -INFINITY) continue;
-      const float wt = exp2f(mr - mx);
-      sum += __ldcg(rec + 1) * wt;
-      acc += __ldcg(rec + 2 + d) * wt;
-    }
-    out_at(r, d) = __float2half_rn(acc / sum);
+    float acc = 0.f;
+#pragma unroll 8
+    for (int sp = 0; sp < used; ++sp) acc = fmaf(__ldcg(record(sp, r) + 2 + d), w_s[sp * R + r], acc);
+    out_at(r, d) = __float2half_rn(acc * inv_s[r]);
   }
   if (threadIdx.x == 0) counters[triple] = 0;
 }
@@ -285,7 +324,7 @@ template <int D, int R>
 cudaError_t launch_dr(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                       cudaStream_t stream) {
   const dim3 grid(plan.splits, p.Hkv, p.B * plan.tiles);
-  return launch_kernel(attention_kernel<D, R>, grid, kThreads, 0, stream, plan.dependent, p, plan.tile_tokens,
+  return launch_kernel(attention_kernel<D, R>, grid, 32 * warps_for(D, R), 0, stream, plan.dependent, p, plan.tile_tokens,
                        plan.tiles, plan.splits, partials, counters);
 }
 
@@ -318,12 +357,16 @@ const char* attention_check(const AttentionProblem& p) {
 AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
   AttentionPlan plan;
   const int G = p.H / p.Hkv;
-  plan.rows_max = p.S == 1 ? (G <= 4 ? 4 : G <= 8 ? 8 : 16) : 16;  // prefill: several tokens share K/V reads
+  // the fewest rows that hold the group; for prompts more (several tokens share each K/V read), as
+  // registers allow (head size 128 spills at 16)
+  const int fit = G <= 4 ? 4 : G <= 8 ? 8 : 16;
+  plan.rows_max = p.S == 1 ? fit : std::max(fit, p.D == 64 ? 16 : 8);
   plan.tile_tokens = std::max(1, std::min(plan.rows_max / G, p.S));
   plan.tiles = (p.S + plan.tile_tokens - 1) / plan.tile_tokens;
   const long triples = long(p.B) * plan.tiles * p.Hkv;
   if (triples < sms) {  // too few blocks to fill the GPU: split the keys
-    const int by_keys = (p.max_total + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
+    const int min_keys = min_keys_per_split(p.D, plan.rows_max);
+    const int by_keys = (p.max_total + min_keys - 1) / min_keys;
     const int by_gpu = int((2L * sms + triples - 1) / triples);
     plan.splits = std::max(1, std::min({kMaxSplits, by_keys, by_gpu}));
   }

@@ -3,8 +3,8 @@
 // Work split: a warp owns ROWS output rows (of NW weight matrices) and walks K in 16-byte weight
 // loads, lane-interleaved so a warp reads 512 contiguous bytes per row per step; U steps are issued
 // before any is consumed, so each thread keeps U * NW * ROWS loads in flight. x (M <= kGemvMaxRows rows) is
-// read through the read-only cache. Partial sums are fp32 (int4: fp16 partials of x·(q-8) over 8
-// elements, or 32 with ES_GEMV_Q4_H2ACC, flushed to fp32 and scaled there); a warp reduction finishes each output.
+// read through the read-only cache. Partial sums are fp32 (int4: the fp16 sum of x·(q-8)/16 over a
+// 16-byte load, 32 values, flushed to fp32 and scaled there); a warp reduction finishes each output.
 #include "gemv.h"
 #include "launch.cuh"
 
@@ -31,14 +31,8 @@ namespace {
 #ifndef ES_GEMV_U_Q4
 #define ES_GEMV_U_Q4 2  // the same, int4
 #endif
-#ifndef ES_GEMV_Q4_H2ACC
-#define ES_GEMV_Q4_H2ACC 0  // 1: int4 fp16 partials over a whole 16-byte load (32 values), not per word
-#endif
-#ifndef ES_GEMV_Q4_LOP3
-#define ES_GEMV_Q4_LOP3 0  // 1: int4 unpacking with two shifts less per word (see offsets8)
-#endif
 #ifndef ES_GEMV_Q4_ROWS_SMALL
-#define ES_GEMV_Q4_ROWS_SMALL 1  // rows per warp, int4 without SwiGLU at N < 4096: 1, 2 or 4
+#define ES_GEMV_Q4_ROWS_SMALL 4  // rows per warp, int4 without SwiGLU at N < 4096: 1, 2 or 4 (H200: 4 best)
 #endif
 static_assert(ES_GEMV_Q4_ROWS_SMALL == 1 || ES_GEMV_Q4_ROWS_SMALL == 2 || ES_GEMV_Q4_ROWS_SMALL == 4,
               "ES_GEMV_Q4_ROWS_SMALL must be 1, 2 or 4");
@@ -77,40 +71,32 @@ __device__ __forceinline__ float dot8(const uint4& xv, const uint4& wv, float ac
   return acc;
 }
 
-#if ES_GEMV_Q4_LOP3
 // (a & b) | c in one instruction.
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-#endif
 
-// int4 word (8 values, low nibble first) -> 4 half2 of (q - 8), exact small integers, paired
-// (e_j, e_{j+4}). The GEMV applies the block's scale once per 32 values (in fp32), not per value.
+// int4 word (8 values, low nibble first) -> 4 half2 of (q - 8) / DIV, paired (e_j, e_{j+4}), exact.
+// A nibble masked in place under the fp16 exponent of 1024 reads as 1024 + e (even nibbles) or
+// 1024 + 16·e (odd ones): one HFMA2 each scales and re-centres it. DIV = 16 keeps the GEMV's fp16 sums
+// of 32 products within range for |x| up to ~4000 (the 1/16 is exact and comes back in fp32).
+template <int DIV>
 __device__ __forceinline__ void offsets8(uint32_t q, __half2 out[4]) {
-  const __half2 bias = __float2half2_rn(1032.f);  // 1024 (the exponent trick) + zero point 8
-#if ES_GEMV_Q4_LOP3
-  // Odd nibbles masked in place read as 1024 + 16·e; one HFMA2 (× 1/16 - 72) makes them e - 8 (exact:
-  // every step is a small integer or 64 + e). One shift per word instead of three.
-  const __half2 sixteenth = __float2half2_rn(0.0625f), bias16 = __float2half2_rn(-72.f);
+  static_assert(DIV == 1 || DIV == 16, "(q - 8) or (q - 8) / 16");
+  const __half2 even_a = __float2half2_rn(1.f / DIV), even_b = __float2half2_rn(-1032.f / DIV);
+  const __half2 odd_a = __float2half2_rn(1.f / (16 * DIV)), odd_b = __float2half2_rn(-72.f / DIV);
   const uint32_t q2 = q >> 8;
-  out[0] = __hsub2(as_h2(and_or(q, 0x000F000Fu, 0x64006400u)), bias);                // e0, e4
-  out[1] = __hfma2(as_h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, bias16);   // e1, e5
-  out[2] = __hsub2(as_h2(and_or(q2, 0x000F000Fu, 0x64006400u)), bias);               // e2, e6
-  out[3] = __hfma2(as_h2(and_or(q2, 0x00F000F0u, 0x64006400u)), sixteenth, bias16);  // e3, e7
-#else
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t bits = ((q >> (4 * j)) & 0x000F000Fu) | 0x64006400u;  // 1024 + e_j | 1024 + e_{j+4}
-    out[j] = __hsub2(as_h2(bits), bias);
-  }
-#endif
+  out[0] = __hfma2(as_h2(and_or(q, 0x000F000Fu, 0x64006400u)), even_a, even_b);   // e0, e4
+  out[1] = __hfma2(as_h2(and_or(q, 0x00F000F0u, 0x64006400u)), odd_a, odd_b);     // e1, e5
+  out[2] = __hfma2(as_h2(and_or(q2, 0x000F000Fu, 0x64006400u)), even_a, even_b);  // e2, e6
+  out[3] = __hfma2(as_h2(and_or(q2, 0x00F000F0u, 0x64006400u)), odd_a, odd_b);    // e3, e7
 }
 
 // The same times the scale: (q - 8) * scale, for the dequantize kernel.
 __device__ __forceinline__ void dequant8(uint32_t q, __half2 s2, __half2 out[4]) {
-  offsets8(q, out);
+  offsets8<1>(q, out);
 #pragma unroll
   for (int j = 0; j < 4; ++j) out[j] = __hmul2(out[j], s2);
 }
@@ -246,12 +232,9 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
             for (int r = 0; r < ROWS; ++r) acc[w][r][m] = dot8(xv, wv[u][w][r], acc[w][r][m]);
         }
       } else {
-        // Σ x·(q-8) in fp16, then × scale in fp32. The fp16 sums span a word (8 values: |sum| <= 64·max|x|)
-        // or, with ES_GEMV_Q4_H2ACC, the whole load (32 values: |sum| <= 256·max|x|, in fp16's range
-        // for |x| < 255; one conversion to fp32 per 32 values instead of four).
-        constexpr bool kH2Acc = ES_GEMV_Q4_H2ACC;
-        float dot[NW][ROWS][MR] = {};
-        __half2 hdot[NW][ROWS][MR];  // kH2Acc: the load's fp16 sums so far
+        // Σ x·(q-8)/16 over the load's 32 values in fp16 (|sum| <= 16·max|x|), then × 16·scale in fp32:
+        // one conversion per 32 values.
+        __half2 part[NW][ROWS][MR];
         const uint32_t* words[NW][ROWS];
 #pragma unroll
         for (int w = 0; w < NW; ++w)
@@ -263,7 +246,7 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
 #pragma unroll
           for (int w = 0; w < NW; ++w)
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) offsets8(words[w][r][i], wq[w][r]);
+            for (int r = 0; r < ROWS; ++r) offsets8<16>(words[w][r][i], wq[w][r]);
 #pragma unroll
           for (int m = 0; m < MR; ++m) {
             __half2 xp[4];
@@ -272,17 +255,10 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
             for (int w = 0; w < NW; ++w)
 #pragma unroll
               for (int r = 0; r < ROWS; ++r) {
-                __half2 part = kH2Acc && i > 0 ? __hfma2(xp[0], wq[w][r][0], hdot[w][r][m])
-                                               : __hmul2(xp[0], wq[w][r][0]);
-                part = __hfma2(xp[1], wq[w][r][1], part);
-                part = __hfma2(xp[2], wq[w][r][2], part);
-                part = __hfma2(xp[3], wq[w][r][3], part);
-                if constexpr (kH2Acc) {
-                  hdot[w][r][m] = part;
-                } else {
-                  const float2 f = __half22float2(part);
-                  dot[w][r][m] += f.x + f.y;
-                }
+                __half2 sum = i > 0 ? __hfma2(xp[0], wq[w][r][0], part[w][r][m]) : __hmul2(xp[0], wq[w][r][0]);
+                sum = __hfma2(xp[1], wq[w][r][1], sum);
+                sum = __hfma2(xp[2], wq[w][r][2], sum);
+                part[w][r][m] = __hfma2(xp[3], wq[w][r][3], sum);
               }
           }
         }
@@ -290,14 +266,11 @@ __global__ void __launch_bounds__(kWarps<Q4> * 32) gemv_kernel(GemvProblem p, in
         for (int w = 0; w < NW; ++w)
 #pragma unroll
           for (int r = 0; r < ROWS; ++r) {
-            const float scale = __half2float(sv[u][w][r]);
+            const float scale = 16.f * __half2float(sv[u][w][r]);
 #pragma unroll
             for (int m = 0; m < MR; ++m) {
-              if constexpr (kH2Acc) {
-                const float2 f = __half22float2(hdot[w][r][m]);
-                dot[w][r][m] = f.x + f.y;
-              }
-              acc[w][r][m] = fmaf(scale, dot[w][r][m], acc[w][r][m]);
+              const float2 f = __half22float2(part[w][r][m]);
+              acc[w][r][m] = fmaf(scale, f.x + f.y, acc[w][r][m]);
             }
           }
       }

@@ -181,13 +181,13 @@ def test_cuda_kernel_updates_a_shared_cache_in_place(ops_lib):
                      past_key=k_ref, past_value=v_ref)
         want, k_ref, v_ref = cpu.run(None, feeds)
         io = cuda.io_binding()
+        io.bind_output("out", "cpu")  # the first output bound: copy_outputs_to_cpu()[0]
         for name in ("qkv", "seqlens_k", "cos_cache", "sin_cache"):
             io.bind_cpu_input(name, feeds[name])
         io.bind_cpu_input("total_sequence_length", feeds["total_sequence_length"])
         for name, t in (("past_key", k_dev), ("present_key", k_dev), ("past_value", v_dev), ("present_value", v_dev)):
             bind = io.bind_output if name.startswith("present") else io.bind_input
             bind(name, "cuda", 0, np.float16, list(t.shape), t.data_ptr())
-        io.bind_output("out", "cpu")
         cuda.run_with_iobinding(io)
         got = io.copy_outputs_to_cpu()[0]
         assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 2e-3 * max(1.0, float(np.abs(want).max()))

@@ -317,3 +317,21 @@ def test_cuda_graph_engine_with_ops_matches_without(tiny_engines, quant, prompt_
     assert got.shape == want.shape == (prompt_len + 30, want.shape[-1])
     scale = float(np.abs(want).max())
     assert np.abs(got - want).max() <= 2e-2 * scale, (float(np.abs(got - want).max()), scale)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3])
+def test_cuda_int4_gemv_keeps_large_activations_finite(ops_lib, m):
+    """The int4 GEMV sums 32 products in fp16 (x·(q-8)/16): activations in the thousands (the MLP's
+    down projection sees such outliers) stay in range and match the CPU kernel."""
+    rng = np.random.default_rng(11)
+    n, k, bs = 1024, 8192, 128
+    _, q, s, _ = _weights(rng, n, k, bs)
+    node = helper.make_node("GemvQ4", ["x", "b", "s"], ["y"], domain="com.enginesmith", K=k, N=n, block_size=bs)
+    model = _model([node], {"b": _pack(q, bs), "s": s.reshape(-1)}, [1, m, k])
+    x = np.clip(rng.standard_normal((1, m, k)) * 600, -3000, 3000).astype(np.float16)
+    want = _session(model, ops_lib).run(None, {"x": x})[0].astype(np.float32)
+    got = _session(model, ops_lib, cuda="ort").run(None, {"x": x})[0].astype(np.float32)
+    assert np.isfinite(want).all() and np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 4e-3 * float(np.abs(want).max()), (float(np.abs(got - want).max()), float(np.abs(want).max()))

@@ -24,8 +24,8 @@ constexpr int kKeyTile = 32;  // keys a warp scores at once (one per lane)
 // Warps per block: as many as shared memory (their outputs, R x D floats each) and registers allow,
 // so a few hundred keys take one tile per warp (the kernel is latency-bound at decode sizes).
 __host__ __device__ constexpr int warps_for(int D, int R) { return D == 64 && R == 4 ? 16 : D == 128 && R == 16 ? 4 : 8; }
-// A split costs a merge through global memory: only past two tiles per warp.
-__host__ __device__ constexpr int min_keys_per_split(int D, int R) { return 2 * warps_for(D, R) * kKeyTile; }
+// At least a tile per warp in a split.
+__host__ __device__ constexpr int min_keys_per_split(int D, int R) { return warps_for(D, R) * kKeyTile; }
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -100,6 +100,15 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
       for (int i = threadIdx.x; i < rows * D; i += kThreads) out_at(i / D, i % D) = __float2half(NAN);
     return;
   }
+  // This split's keys: [lo, hi) of the tile's causal range [0, past + s0 + qn).
+  const int keys = past + s0 + qn;
+  const int per_split =
+      max(min_keys_per_split(D, R), (keys + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int used = (keys + per_split - 1) / per_split;
+  const int lo = split * per_split, hi = min(keys, lo + per_split);
+  if (split >= used) return;  // keys enough for fewer splits: nothing to do, no counter to bump
+  const bool merged = used > 1;  // else split 0 writes the output itself
+
   // q rotated into shared memory; the split-0 block also writes the tile's new keys (rotated) and
   // values into the cache. All loads of an iteration are issued before any is used.
   const float q_scale = p.scale * kLog2e;
@@ -134,13 +143,6 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
     }
   }
   __syncthreads();
-
-  // This split's keys: [lo, hi) of the tile's causal range [0, past + s0 + qn).
-  const int keys = past + s0 + qn;
-  const int per_split =
-      max(min_keys_per_split(D, R), (keys + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
-  const int used = (keys + per_split - 1) / per_split;
-  const int lo = split * per_split, hi = min(keys, lo + per_split);
 
   float m[R], l[R], o[R][DL];
 #pragma unroll
@@ -274,9 +276,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
         acc += o_s[w][r][d] * wt;
       }
     }
-    if (splits == 1) {
+    if (!merged) {
       if (r < rows) out_at(r, d) = __float2half_rn(acc / sum);
-    } else if (split < used) {
+    } else {
       float* rec = record(split, r);
       if (d == 0) {
         rec[0] = mx;
@@ -285,12 +287,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
       rec[2 + d] = acc;
     }
   }
-  if (splits == 1) return;
+  if (!merged) return;
 
   // The last block of the (row, tile, head) to finish merges the used splits, in split order.
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last_s = atomicAdd(&counters[triple], 1) == splits - 1;
+  if (threadIdx.x == 0) last_s = atomicAdd(&counters[triple], 1) == used - 1;
   __syncthreads();
   if (!last_s) return;
   __threadfence();

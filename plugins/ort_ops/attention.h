@@ -21,10 +21,13 @@
 //
 // Work split: a thread block takes (KV head, a tile of query tokens, row) and one of `splits` ranges
 // of the keys (flash decoding). The new keys and values are read from qkv (the cache is written by the
-// split-0 blocks, which nobody reads in the same launch). With splits > 1 every block writes its
-// partial (max, sum, unnormalized output) to the workspace and bumps a counter; the last block of the
-// (row, tile, head) merges the splits and resets the counter, so one kernel does it all and the
-// counters stay zero between calls (CUDA-graph replays need no memset).
+// split-0 blocks, which nobody reads in the same launch). `splits` is sized on the host from
+// total_sequence_length; each block sees how many splits its row's actual keys need (`used`, at least
+// a tile per warp), and blocks beyond that return at once. With one used split, split 0 writes the
+// output; with more, each writes its partial (max, sum, unnormalized output) to the workspace and
+// bumps a counter, and the last of the (row, tile, head) merges the splits in split order and resets
+// the counter: one kernel does it all, and the counters stay zero between calls (CUDA-graph replays
+// need no memset).
 #pragma once
 
 #include <cuda_fp16.h>

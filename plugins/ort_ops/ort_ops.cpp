@@ -85,7 +85,8 @@ struct Kernel {
   int64_t K = 0, N = 0, block_size = 0;  // int4 ops: from the node's attributes
   float eps = 0.f;                        // norm ops: the epsilon attribute
   // GroupQueryAttention: attributes, the device's multiprocessors, whether launches are dependent, and
-  // the split workspace (grown outside captures, freed with the kernel).
+  // the split workspace. It grows outside captures only, and a grown-out buffer is kept until the
+  // kernel goes: a CUDA graph captured earlier (another step shape) still launches on it.
   int64_t heads = 0, kv_heads = 0;
   float scale = 0.f;
   int sms = 0;
@@ -93,11 +94,11 @@ struct Kernel {
   float* partials = nullptr;
   int32_t* counters = nullptr;
   size_t partial_floats = 0, counter_count = 0;
+  std::vector<void*> buffers;  // every workspace buffer allocated, freed with the kernel
   std::mutex mu;
 
   ~Kernel() {
-    if (partials) cudaFree(partials);
-    if (counters) cudaFree(counters);
+    for (void* b : buffers) cudaFree(b);
   }
 };
 
@@ -307,18 +308,18 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
       return error(op + ": its workspace must grow inside a CUDA-graph capture; run this shape once before capturing");
-    const size_t floats = std::max(plan.partial_floats, k.partial_floats);
-    const size_t counters = std::max(plan.counters, k.counter_count);
-    if ((err = cudaStreamSynchronize(stream)) != cudaSuccess) return cuda_status(k, err);
-    for (void* old : {static_cast<void*>(k.partials), static_cast<void*>(k.counters)})
-      if (old) cudaFree(old);
-    k.partials = nullptr;
-    k.counters = nullptr;
-    k.partial_floats = k.counter_count = 0;
-    if ((err = cudaMalloc(&k.partials, floats * sizeof(float))) != cudaSuccess ||
-        (err = cudaMalloc(&k.counters, counters * sizeof(int32_t))) != cudaSuccess ||
-        (err = cudaMemset(k.counters, 0, counters * sizeof(int32_t))) != cudaSuccess)
-      return cuda_status(k, err);
+    // at least 1 MiB of partials: few shapes then ever grow it
+    const size_t floats = std::max({plan.partial_floats, 2 * k.partial_floats, size_t(1) << 18});
+    const size_t counters = std::max({plan.counters, 2 * k.counter_count, size_t(1024)});
+    float* partials = nullptr;
+    int32_t* counts = nullptr;
+    if ((err = cudaMalloc(&partials, floats * sizeof(float))) == cudaSuccess) k.buffers.push_back(partials);
+    if (err == cudaSuccess && (err = cudaMalloc(&counts, counters * sizeof(int32_t))) == cudaSuccess)
+      k.buffers.push_back(counts);
+    if (err == cudaSuccess) err = cudaMemsetAsync(counts, 0, counters * sizeof(int32_t), stream);
+    if (err != cudaSuccess) return cuda_status(k, err);
+    k.partials = partials;
+    k.counters = counts;
     k.partial_floats = floats;
     k.counter_count = counters;
   }

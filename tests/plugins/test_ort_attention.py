@@ -142,6 +142,9 @@ GPU_CASES = CASES + [
     (2, 9, 32, 8, 64, 1024, [100, 900]),     # speculative verification, rows of different lengths
     (2, 3, 4, 4, 64, 40, [2, 10]),
     (1, 130, 32, 8, 64, 256, [0]),           # a prompt over several tiles
+    (1, 1, 9, 3, 64, 2048, [700]),           # SmolLM2's heads: decode, verification, a prompt
+    (1, 9, 9, 3, 64, 1024, [300]),
+    (1, 37, 9, 3, 64, 2048, [0]),
 ]
 
 
@@ -193,3 +196,56 @@ def test_cuda_kernel_updates_a_shared_cache_in_place(ops_lib):
         assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 2e-3 * max(1.0, float(np.abs(want).max()))
         assert np.abs(k_dev.cpu().numpy().astype(np.float32) - k_ref.astype(np.float32)).max() <= 2e-3 * 4
         assert np.array_equal(v_dev.cpu().numpy(), v_ref)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_graph_of_one_shape_survives_a_workspace_grown_by_another(ops_lib):
+    """ORT's CUDA graphs (one per shape, as the engines capture steps): a graph captured while the split
+    workspace was small still replays correctly after a larger shape grew it."""
+    import torch
+
+    h, hkv, d, cap = 32, 2, 128, 8192  # 16 query heads per KV head: 16 rows, many splits
+    model = _model(True, h, hkv, d, 1.0 / np.sqrt(d))
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.register_custom_ops_library(str(ops_lib))
+    ort.preload_dlls()
+    sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+    cpu = _session(model, ops_lib)
+    rng = np.random.default_rng(9)
+    keep = []
+
+    def bound(b: int, past: int):
+        feeds = _feeds(rng, b, 1, h, hkv, d, cap, [past] * b)
+        feeds["total_sequence_length"] = np.array(cap, np.int32)  # as the engines bind it for graphs
+        dev = {k: torch.from_numpy(v).cuda() for k, v in feeds.items() if k != "total_sequence_length"}
+        out = torch.empty(b, 1, h * d, dtype=torch.float16, device="cuda")
+        io = sess.io_binding()
+        for name, t in dev.items():
+            io.bind_input(name, "cuda", 0, np.int32 if t.dtype == torch.int32 else np.float16, list(t.shape), t.data_ptr())
+        io.bind_cpu_input("total_sequence_length", feeds["total_sequence_length"])
+        io.bind_output("out", "cuda", 0, np.float16, list(out.shape), out.data_ptr())
+        for name, src in (("present_key", "past_key"), ("present_value", "past_value")):
+            io.bind_output(name, "cuda", 0, np.float16, list(dev[src].shape), dev[src].data_ptr())
+        keep.append((feeds, dev, out, io))
+        return cpu.run(None, feeds)[0], out, io
+
+    def run(io, graph_id: int, times: int = 3):
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        for _ in range(times):
+            sess.run_with_iobinding(io, options)
+        torch.cuda.synchronize()
+
+    want_a, out_a, io_a = bound(1, 5000)
+    run(io_a, 1)  # captured with the first (small) workspace
+    want_b, out_b, io_b = bound(4, 5000)
+    run(io_b, 2)  # 4x the splits' partials: the workspace grows
+    got = out_b.cpu().numpy().astype(np.float32)
+    assert np.abs(got - want_b.astype(np.float32)).max() <= 2e-3 * max(1.0, float(np.abs(want_b).max()))
+    out_a.zero_()
+    run(io_a, 1, times=2)  # replays of the first graph
+    got = out_a.cpu().numpy().astype(np.float32)
+    assert np.abs(got - want_a.astype(np.float32)).max() <= 2e-3 * max(1.0, float(np.abs(want_a).max()))

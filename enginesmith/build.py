@@ -274,7 +274,7 @@ GQA_IO = "gqa-shared-buffer"
 
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
                    block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
-                   progress: bool = True, custom_ops: bool | None = None) -> Path:
+                   progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False) -> Path:
     """From an engine built by `build`, an engine for runtime.ort_cuda.GqaEngine (ORT CUDA's fast
     decode path): GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
     (skip_rmsnorm), with quant="w4a16" int4 weights as MatMulNBits (the lm_head too with
@@ -282,9 +282,10 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     MatMuls as FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the
     embedding table instead of a transposed copy ORT would fold at load). build.json records the
     passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine).
-    custom_ops: the decode GEMVs and the attention as enginesmith's ORT custom ops (passes/ort_gemv.py,
-    passes/ort_attention.py; the engine then needs libenginesmith_ort_ops.so at run time). None: when
-    that library is built; True: required."""
+    custom_ops: the decode GEMVs as enginesmith's ORT custom ops (passes/ort_gemv.py; the engine then
+    needs libenginesmith_ort_ops.so at run time). None: when that library is built; True: required.
+    custom_attention (with the ops): the attention too (passes/ort_attention.py): faster decode steps at
+    short contexts, but prompts run 2-13x slower than ORT's flash attention (plugins/README.md)."""
     import shutil
 
     import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
@@ -312,7 +313,7 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     if custom_ops:
         ort_ops.require()
     if custom_ops or (custom_ops is None and ort_ops.available()):
-        steps += ",ort_gemv,ort_attention"
+        steps += ",ort_gemv" + (",ort_attention" if custom_attention else "")
     with engine_dir.write_atomically(out, overwrite=force) as tmp:
         # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
         report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress,

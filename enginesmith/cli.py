@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -203,8 +204,11 @@ def _build_for_cuda(args) -> int:
         raise UserError(f"{out} already exists", "pass --force to replace it, or choose another --out")
     quant = "w4a16" if args.quant == "w4a16-rtn" else None
     custom_ops = {"auto": None, "on": True, "off": False}[args.custom_ops]
+    if args.custom_attention and custom_ops is False:
+        raise UserError("--custom-attention needs the custom ops", "drop --custom-ops off")
     print(lower_for_cuda(src, out, quant=quant, block_size=args.block_size, force=args.force,
-                         custom_ops=custom_ops))
+                         custom_ops=True if args.custom_attention else custom_ops,
+                         custom_attention=args.custom_attention))
     return 0
 
 
@@ -424,6 +428,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--custom-ops", default="auto", choices=["auto", "on", "off"],
                    help="with --for-cuda: run the decode GEMVs as enginesmith's ONNX Runtime ops "
                         "(libenginesmith_ort_ops.so; auto: when it is built)")
+    p.add_argument("--custom-attention", action="store_true",
+                   help="with --for-cuda: the attention as enginesmith's ORT op too (one kernel per layer: "
+                        "faster decode at short contexts; prompts run slower than ORT's flash attention)")
     _add_kv_flags(p)
     g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ, ...)")
     g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"],
@@ -509,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late second interrupt must not change the exit status
         print("\ninterrupted (nothing half-written was kept)", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:

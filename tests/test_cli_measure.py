@@ -96,3 +96,11 @@ def test_build_for_cuda_custom_ops_on_without_the_library(tmp_path, monkeypatch)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "ops library is not built" in result.stderr and "cmake" in result.stderr
     assert not (tmp_path / "e").exists()
+
+
+def test_build_custom_attention_needs_the_custom_ops(tmp_path):
+    result = cli("build", "--model", "tiny:llama", "--dtype", "fp16", "--for-cuda", "--custom-ops", "off",
+                 "--custom-attention", "--out", str(tmp_path / "e"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--custom-attention needs the custom ops" in result.stderr
+    assert not (tmp_path / "e").exists()

@@ -253,7 +253,8 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
             if not (low / "build.json").exists():
                 if not (src / "build.json").exists():
                     build(BuildConfig(dtype="fp16"), src, force=True, progress=False)
-                lower_for_cuda(src, low, capacity=2048, force=True, progress=False, custom_ops=ops)
+                lower_for_cuda(src, low, capacity=2048, force=True, progress=False, custom_ops=ops,
+                               custom_attention=ops)
         out["smollm2_build_s"] = round(time.time() - t, 1)
     return out
 

@@ -202,7 +202,7 @@ def tiny_engines(ops_lib, tmp_path_factory):
         for ops in (False, True):
             out[quant, ops] = lower_for_cuda(
                 src, tmp_path_factory.mktemp("ortgemv") / "engine", capacity=128, quant=quant, block_size=32,
-                quantize_lm_head=quant is not None, custom_ops=ops, progress=False)
+                quantize_lm_head=quant is not None, custom_ops=ops, custom_attention=ops, progress=False)
     return out
 
 

@@ -1,12 +1,12 @@
 // Group-query attention with rotary embedding over a dense KV cache (see attention.h).
 //
-// One block = 4 warps on (split, KV head, query tile, row). Its R query rows (token t of the tile x
-// head i of the group: row t * G + i) are rotated once into shared memory. Each warp walks 32-key tiles
-// of the block's key range:
+// One block = 4 to 16 warps (warps_for) on (split, KV head, query tile, row). Its R query rows (token t
+// of the tile x head i of the group: row t * G + i) are rotated once into shared memory. Each warp walks
+// 32-key tiles of the block's key range, loading a tile's K row (lane j) and V values before using them:
 //   scores: lane l takes key l of the tile, its whole K row (16-byte loads), against all R rows of q;
 //   online softmax per row (running max m and sum l, exp2 domain: q carries scale * log2(e));
 //   P·V: lane l owns D/32 output dims; each key's probability comes from its lane by a shuffle.
-// The 4 warps merge (m, l, O) in shared memory; then the output (1 split) or the partial + the
+// The warps merge (m, l, O) in shared memory; then the output (one used split) or the partial + the
 // last-block merge (see attention.h).
 #include "attention.h"
 

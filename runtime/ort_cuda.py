@@ -143,7 +143,7 @@ class GqaEngine:
                 "device_id": device_id, "enable_cuda_graph": "1" if self.graph_mode == "ort" else "0",
                 "user_compute_stream": str(self.stream.cuda_stream)} | dict(provider_options or {}))]
         self.shared_stream = device == "cuda"  # ORT and torch enqueue on one stream: no syncs between
-        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py
+        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py, ort_attention.py
         try:
             self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         except ort.capi.onnxruntime_pybind11_state.Fail:

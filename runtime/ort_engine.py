@@ -54,7 +54,7 @@ class OrtEngine:
             if hasattr(ort, "preload_dlls"):
                 ort.preload_dlls()
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
-        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py
+        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py, ort_attention.py
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]

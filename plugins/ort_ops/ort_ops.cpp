@@ -326,10 +326,9 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   return cuda_status(k, enginesmith::attention_launch(p, plan, k.partials, k.counters, stream));
 }
 
-
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
-  if (static_cast<Kernel*>(kernel_ptr)->def->attention) return compute_attention(*static_cast<Kernel*>(kernel_ptr), ctx);
-  const Kernel& k = *static_cast<Kernel*>(kernel_ptr);
+  Kernel& k = *static_cast<Kernel*>(kernel_ptr);
+  if (k.def->attention) return compute_attention(k, ctx);
   const OpDef& d = *k.def;
   const std::string& op = d.name;  // strings are built only on the error paths
   std::vector<Tensor> in(input_count(d));
@@ -407,7 +406,7 @@ const OpDef& def_of(const CustomOp* op) { return *reinterpret_cast<const OpDef*>
 
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
   const OpDef& d = def_of(op);
-  if (d.cuda) {  // at session start, not inside a capture
+  if (d.cuda && !d.attention) {  // the GEMVs' launch setting and cuBLAS: at session start, not in a capture
     enginesmith::gemv_prepare();
     cublas();
   }

@@ -8,7 +8,6 @@ a CUDA-graph GQA engine with the ops against the same engine without them.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

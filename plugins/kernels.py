@@ -26,7 +26,7 @@ DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
 ALL_ARCHS = "80-real;86-real;87-real;89-real;90"
 
 FLOAT16, BFLOAT16 = 0, 1  # enginesmith::DType
-ABI_VERSION = 2  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
+ABI_VERSION = 3  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
 
 
 class KernelError(RuntimeError):
@@ -99,7 +99,7 @@ def lib() -> ctypes.CDLL:
         "es_paged_attention_check": (I, [I, I, I, I, I, I]),
         "es_paged_attention_plan": (I, [I] * 9 + [P, P]),
         "es_paged_attention_counters": (I, [I, I, I, I]),
-        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P, I, I, I, P]),
+        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P, I, I, I, I, P]),
         "es_write_kv": (I, [P] * 6 + [I] * 6 + [P]),
         "es_sparse_available": (I, []),
         "es_check_24_host": (I, [P, I64, I64]),
@@ -184,10 +184,12 @@ class PagedAttention:
     and the error flag once; call like a function (benchmarks reuse it, also inside CUDA graphs).
 
     dependent_launch: None = the launcher's choice (on on sm_90), or a
-    bool: launch the attention kernel as a programmatic dependent of the previous kernel."""
+    bool: launch the attention kernel as a programmatic dependent of the previous kernel.
+    prefetch_past: request the past K/V (positions < context - Sq) before waiting for that kernel;
+    only when no kernel still running writes them, the tables or the lengths (pa::Params)."""
 
     def __init__(self, query, k_cache, v_cache, block_tables, num_splits: int = 0, scale: float = 0.0,
-                 reduce: str = "auto", dependent_launch: bool | None = None):
+                 reduce: str = "auto", dependent_launch: bool | None = None, prefetch_past: bool = False):
         import torch
 
         B, Sq, H, D = query.shape
@@ -204,6 +206,7 @@ class PagedAttention:
         self.counters = torch.zeros(max(self.num_counters, 1), dtype=torch.int32, device=query.device)
         self.reduce = REDUCE_MODES[reduce]
         self.dependent_launch = -1 if dependent_launch is None else int(bool(dependent_launch))
+        self.prefetch_past = int(bool(prefetch_past))
         self.error_flag = torch.zeros(1, dtype=torch.int32, device=query.device)
         self.scale = scale
 
@@ -220,28 +223,32 @@ class PagedAttention:
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             context_lens.data_ptr(), out.data_ptr(), self.workspace.data_ptr(), self.ws_bytes,
             self.error_flag.data_ptr(), B, Sq, H, Hkv, D, BS, NB, MB, self.splits, self.scale, self.dtype,
-            self.counters.data_ptr(), self.num_counters, self.reduce, self.dependent_launch, _stream()))
+            self.counters.data_ptr(), self.num_counters, self.reduce, self.dependent_launch,
+            self.prefetch_past, _stream()))
         return out
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, context_lens, num_splits: int = 0, scale: float = 0.0,
-                    reduce: str = "auto", dependent_launch: bool | None = None):
+                    reduce: str = "auto", dependent_launch: bool | None = None, prefetch_past: bool = False):
     """out [B, Sq, H, D] (see paged_attention.h). Returns (out, error_flag int)."""
-    op = PagedAttention(query, k_cache, v_cache, block_tables, num_splits, scale, reduce, dependent_launch)
+    op = PagedAttention(query, k_cache, v_cache, block_tables, num_splits, scale, reduce, dependent_launch,
+                        prefetch_past)
     out = op(query, k_cache, v_cache, block_tables, context_lens)
     return out, int(op.error_flag.item())
 
 
-def write_kv(key, value, slot_mapping, k_cache, v_cache) -> int:
-    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int32, -1 skips). Returns the error flag."""
+def write_kv(key, value, slot_mapping, k_cache, v_cache, error_flag=None) -> int | None:
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int32, -1 skips). Returns the
+    error flag; given `error_flag` (int32 [1] on the device) it ORs the bits in there instead and
+    returns None without synchronizing (usable inside a CUDA graph capture)."""
     import torch
 
     T, Hkv, D = key.shape
     NB, BS = k_cache.shape[:2]
-    flag = torch.zeros(1, dtype=torch.int32, device=key.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=key.device) if error_flag is None else error_flag
     _check(lib().es_write_kv(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
                              v_cache.data_ptr(), flag.data_ptr(), T, Hkv, D, BS, NB, _torch_dtype_code(key), _stream()))
-    return int(flag.item())
+    return int(flag.item()) if error_flag is None else None
 
 
 def sparse_available() -> bool:

@@ -96,17 +96,20 @@ class PagedKVPool:
 
     def __init__(self, past: list[str], present: list[str], num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, dtype, device: str = "cpu", device_id: int = 0):
-        if device != "cpu":
-            raise UserError("the paged KV pool is implemented for the CPU execution provider only",
-                            "run paged engines with --device cpu (on CUDA use TensorRT or the dense layout)")
+        if device not in ("cpu", "cuda"):
+            raise UserError(f"the paged KV pool runs on cpu or cuda, not {device!r}", "use --device cpu or cuda")
         if num_pages < 2:
             raise UserError(f"a paged KV pool needs at least 2 pages, got {num_pages}", "give more pages")
         self.past, self.present = list(past), list(present)
         self.num_pages, self.page_size = num_pages, page_size
+        self.device = device
         self.dtype = np.dtype(dtype)
-        shape = (num_pages, page_size, kv_heads, head_dim)
-        self.arrays = [np.zeros(shape, self.dtype) for _ in self.past]  # the OrtValues share this memory
-        self.values = [ort.OrtValue.ortvalue_from_numpy(a, device, device_id) for a in self.arrays]
+        self.shape = (num_pages, page_size, kv_heads, head_dim)
+        # On the CPU the OrtValues share the numpy arrays' memory; on CUDA they own device memory
+        # (zeroed from a host array once) and `arrays` is None.
+        zeros = [np.zeros(self.shape, self.dtype) for _ in self.past]
+        self.values = [ort.OrtValue.ortvalue_from_numpy(a, device, device_id) for a in zeros]
+        self.arrays = zeros if device == "cpu" else None
         self.step: PagedStep | None = None
 
     @classmethod
@@ -126,17 +129,33 @@ class PagedKVPool:
         return cls(past, present, num_pages, page_size, kv_heads, head_dim, _NP[first.type], device)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        return len(self.values) * int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def host_arrays(self) -> list[np.ndarray]:
+        """Every layer's pool as numpy arrays (the live memory on the CPU, a copy from the device on CUDA)."""
+        return self.arrays if self.arrays is not None else [v.numpy() for v in self.values]
 
     def prepare(self, step: PagedStep) -> None:
         check_step(step, self.num_pages, self.page_size)
         self.step = step
 
     def copy_pages(self, copies) -> None:
-        """Copy-on-write: page dst takes page src's contents in every layer's pool."""
-        for src, dst in copies:
-            for a in self.arrays:
+        """Copy-on-write: page dst takes page src's contents in every layer's pool. On CUDA each
+        pool makes a round trip through the host (ORT's Python API has no device-side slice copy):
+        correct, and O(pool) per fork; forks are rare next to decode steps."""
+        copies = list(copies)
+        if not copies:
+            return
+        if self.arrays is not None:
+            for src, dst in copies:
+                for a in self.arrays:
+                    a[dst] = a[src]
+            return
+        for value in self.values:
+            a = value.numpy()
+            for src, dst in copies:
                 a[dst] = a[src]
+            value.update_inplace(a)
 
     # ------------------------------------------------------------ the engine's cache protocol
 

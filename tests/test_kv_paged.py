@@ -205,13 +205,13 @@ def test_pools_are_written_in_place(paged):
     engine = paged_engine(paged_path)
     cache = engine.new_cache(2)
     pointers = [v.data_ptr() for v in cache.pool.values]
-    assert all(not a.any() for a in cache.pool.arrays)
+    assert all(not a.any() for a in cache.pool.host_arrays())
     rng = np.random.default_rng(1)
     left_padded_run(engine, cache, [[1, 2, 3, 4, 5], [6, 7]], rng.integers(0, VOCAB, (3, 2)))
     assert [v.data_ptr() for v in cache.pool.values] == pointers
     written = cache.manager.num_tokens("row0") + cache.manager.num_tokens("row1")
     assert written == 5 + 2 + 2 * 3
-    assert all(int(np.count_nonzero(np.abs(a).sum(axis=(2, 3)))) == written for a in cache.pool.arrays)
+    assert all(int(np.count_nonzero(np.abs(a).sum(axis=(2, 3)))) == written for a in cache.pool.host_arrays())
 
 
 def test_fork_with_copy_on_write_matches_solo_runs(paged):
@@ -336,6 +336,41 @@ def test_cuda_lowering_follows_the_ort_contrib_schema(h64, tmp_path):
         assert node.attributes["is_causal"].value == 1 and len(node.outputs) == 3
     # The caches are the graph's outputs (aliased in place by the op).
     assert {v.name for v in model.graph.outputs} >= {"present.0.key", "present.1.value"}
+
+
+def _cuda_ep() -> bool:
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ep(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("lens", [(9, 9), (3, 9, 14)], ids=["equal-prompts", "left-padded"])
+def test_cuda_lowering_runs_on_ort_cuda_like_the_dense_graph(h64, tmp_path, lens):
+    """The cuda lowering (com.microsoft.PagedAttention) on ORT's CUDA EP, pools on the device: the
+    same logits as the dense fp16 graph on the same EP over a prefill and decode steps crossing a
+    page boundary, and the same greedy tokens."""
+    from enginesmith.runtime.generate import GenerationConfig, generate_ids
+
+    out = tmp_path / "cuda" / "model.onnx"
+    make_paged(h64, out, 16, lower="cuda")
+    engine = OrtEngine(out, device="cuda", threads=1)
+    assert engine.session.get_providers()[0] == "CUDAExecutionProvider"
+    engine.new_cache = lambda batch: PagedKVCache.for_session(engine.session, batch, "cuda", max_tokens=64)
+    dense = OrtEngine(h64, device="cuda", threads=1)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in lens]
+    steps = rng.integers(0, VOCAB, (10, len(lens)))  # 14 + 10 tokens: past the first 16-token page
+    got = left_padded_run(engine, engine.new_cache(len(lens)), prompts, steps)
+    want = left_padded_run(dense, dense.new_cache(len(lens)), prompts, steps)
+    scale = max(float(np.abs(w).max()) for g in want for w in g)
+    worst = max(float(np.abs(a - b).max()) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert worst <= 2e-3 * scale + 2e-3, f"max |paged - dense| {worst} (logits up to {scale})"
+    config = GenerationConfig(max_new_tokens=20)
+    ids_paged = np.stack([i for i, _ in generate_ids(engine, prompts, config)])
+    ids_dense = np.stack([i for i, _ in generate_ids(dense, prompts, config)])
+    np.testing.assert_array_equal(ids_paged, ids_dense)
 
 
 def test_bad_input_is_refused_with_the_reason(paged, h64, tiny_engine, tmp_path):

@@ -23,7 +23,10 @@ time per launch); --no-host-loop skips it. Their outputs are checked as the time
 --reduce compares how split-K partials are merged, in one run: `single` (the last block of each
 (sequence, KV head) merges them; one kernel, itself a programmatic dependent launch on sm_90),
 `two` (a separate reduce kernel, the earlier path), `single-nopdl` (last block, plain launch),
-`two-pdl` (reduce kernel, attention kernel as a dependent launch), `auto` (the launcher's default).
+`two-pdl` (reduce kernel, attention kernel as a dependent launch), `auto` (the launcher's default),
+`two-prefetch` (two-pdl, the past K/V requested before the dependent-launch wait: valid here, the
+previous call's reduce writes only the output), `wkv-two` / `wkv-prefetch` (each call writes the new
+tokens' K/V first, as the TensorRT plugin's write_kv=1 enqueue does; the plugin uses wkv-prefetch).
 Each attention row names its mode (`reduce`); `reduce_comparison` lines the modes up per shape.
 """
 
@@ -167,13 +170,19 @@ def read_bandwidth() -> float:
     return n * 2 / (ms * 1e-3)
 
 
-# --reduce mode -> (kernels.PagedAttention reduce, dependent_launch)
+# --reduce mode -> (kernels.PagedAttention reduce, dependent_launch, prefetch_past, write_kv first).
+# "wkv-*": each call is the TensorRT plugin's write_kv=1 enqueue: write_kv (the Sq new tokens' K/V
+# through the slot mapping) and then the attention, timed together; the plugin sets prefetch_past
+# there (write_kv is a plain launch writing only the new positions).
 REDUCE_VARIANTS = {
-    "auto": ("auto", None),
-    "single": ("single", None),
-    "two": ("two", None),
-    "single-nopdl": ("single", False),
-    "two-pdl": ("two", True),
+    "auto": ("auto", None, False, False),
+    "single": ("single", None, False, False),
+    "two": ("two", None, False, False),
+    "single-nopdl": ("single", False, False, False),
+    "two-pdl": ("two", True, False, False),
+    "two-prefetch": ("two", True, True, False),
+    "wkv-two": ("two", True, False, True),
+    "wkv-prefetch": ("two", True, True, True),
 }
 
 
@@ -184,8 +193,8 @@ def time_modes(make_op, run, modes, rounds: int = 2, host_loop: bool = False):
     "host_loop_ms" / "host_us_per_call" (each call launched from Python; host_loop_time)."""
     ops = {}
     for m in modes:
-        reduce, pdl = REDUCE_VARIANTS[m]
-        ops[m] = make_op(reduce, pdl)
+        reduce, pdl, prefetch, _ = REDUCE_VARIANTS[m]
+        ops[m] = make_op(reduce, pdl, prefetch)
     times = {m: float("inf") for m in modes}
     info = {m: {} for m in modes}
     for _ in range(rounds):
@@ -224,10 +233,23 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
                 # Everything the timed calls touch exists before the capture: outputs here, the
                 # workspace, split counters and error flag in kernels.PagedAttention.__init__.
                 outs = {m: torch.empty_like(q) for m in modes}
+                # The "wkv-*" modes' write: the Sq new tokens of each sequence (the last positions).
+                # Drawn from the cache's own values there, so every mode sees the same K/V.
+                pos = torch.arange(ctx_len - Sq, ctx_len, device="cuda")
+                slots = (tables[:, pos // block_size].long() * block_size + pos % block_size).to(torch.int32).reshape(-1)
+                new_k = k_cache.view(-1, Hkv, D)[slots.long()].clone()
+                new_v = v_cache.view(-1, Hkv, D)[slots.long()].clone()
+                wkv_flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+                def run(op, m):
+                    if REDUCE_VARIANTS[m][3]:
+                        kernels.write_kv(new_k, new_v, slots, k_cache, v_cache, error_flag=wkv_flag)
+                    op(q, k_cache, v_cache, tables, ctx, outs[m])
+
                 times, ops, info = time_modes(
-                    lambda reduce, pdl: kernels.PagedAttention(q, k_cache, v_cache, tables, reduce=reduce,
-                                                               dependent_launch=pdl),
-                    lambda op, m: op(q, k_cache, v_cache, tables, ctx, outs[m]), modes, host_loop=host_loop)
+                    lambda reduce, pdl, prefetch: kernels.PagedAttention(
+                        q, k_cache, v_cache, tables, reduce=reduce, dependent_launch=pdl, prefetch_past=prefetch),
+                    run, modes, host_loop=host_loop)
                 # The error below is of what the timed graph itself wrote (outputs poisoned first), so
                 # a capture that recorded no kernels shows up as NaN.
                 for m in modes:
@@ -319,8 +341,9 @@ def sweep_splits(contexts, split_counts, copy_bw, shape=(32, 8, 128), block_size
         out = torch.empty_like(q)
         for splits in split_counts:
             times, ops, info = time_modes(
-                lambda reduce, pdl: kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits=splits,
-                                                           reduce=reduce, dependent_launch=pdl),
+                lambda reduce, pdl, prefetch: kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits=splits,
+                                                                     reduce=reduce, dependent_launch=pdl,
+                                                                     prefetch_past=prefetch),
                 lambda op, m: op(q, k_cache, v_cache, tables, ctx, out), modes)
             for m in modes:
                 ms = times[m]

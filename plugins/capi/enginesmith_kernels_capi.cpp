@@ -31,7 +31,7 @@ using enginesmith::DType;
 
 ES_CAPI char const* es_last_error() { return g_last_error.c_str(); }
 
-ES_CAPI int es_abi_version() { return 2; }  // 2: es_paged_attention takes split counters + reduce mode
+ES_CAPI int es_abi_version() { return 3; }  // 3: es_paged_attention takes prefetch_past
 
 // Limits of the paged attention kernels, so Python never restates them.
 ES_CAPI int es_paged_attention_limits(int* head_sizes, int* num_head_sizes, int* block_sizes, int* num_block_sizes,
@@ -72,12 +72,12 @@ ES_CAPI int es_paged_attention_counters(int batch, int query_len, int num_heads,
 }
 
 // reduce_mode: 0 auto ($ES_PAGED_ATTENTION_REDUCE when counters are given), 1 last block, 2 reduce
-// kernel. dependent_launch: -1 auto, 0 off, 1 on (see pa::Params).
+// kernel. dependent_launch: -1 auto, 0 off, 1 on; prefetch_past 0/1 (see pa::Params).
 ES_CAPI int es_paged_attention(void const* query, void const* k_cache, void const* v_cache, int32_t const* block_tables,
     int32_t const* context_lens, void* out, void* workspace, size_t workspace_bytes, int32_t* error_flag, int batch,
     int query_len, int num_heads, int num_kv_heads, int head_size, int block_size, int num_blocks,
     int max_blocks_per_seq, int num_splits, float scale, int dtype, int32_t* split_counters, int num_split_counters,
-    int reduce_mode, int dependent_launch, void* stream) {
+    int reduce_mode, int dependent_launch, int prefetch_past, void* stream) {
     pa::Params p;
     p.query = query;
     p.k_cache = k_cache;
@@ -101,6 +101,7 @@ ES_CAPI int es_paged_attention(void const* query, void const* k_cache, void cons
     p.num_split_counters = num_split_counters;
     p.reduce = static_cast<pa::ReduceMode>(reduce_mode);
     p.dependent_launch = dependent_launch;
+    p.prefetch_past = prefetch_past;
     return done(pa::launch_paged_attention(p, workspace, workspace_bytes, 0, static_cast<cudaStream_t>(stream)));
 }
 

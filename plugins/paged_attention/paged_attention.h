@@ -79,6 +79,11 @@ struct Params {
     int dependent_launch = -1;    // sm_90: launch the attention kernel as a programmatic dependent of the
                                   // previous kernel in the stream (it waits with griddepcontrol.wait
                                   // before reading any input). -1 or 1: on (sm_90), 0: off.
+    int prefetch_past = 0;        // 1: as a dependent launch, request the past K/V tiles (positions
+                                  // < context - Sq), reading the tables and lengths, before that wait.
+                                  // Only when no kernel that may still run writes those (true after
+                                  // launch_write_kv, a plain launch writing only the new positions;
+                                  // not when a preceding kernel writes the tables or lengths).
 
     int batch = 0;                // B
     int query_len = 1;            // Sq

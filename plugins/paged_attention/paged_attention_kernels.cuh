@@ -203,12 +203,18 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     __shared__ int s_out_row[kRowsPerCta];  // (b, s, h) output row of each of this block's rows
     __shared__ int s_last;
 
+    // prefetch_past: the kernels still running when this one starts (it is a programmatic dependent
+    // of the previous kernel) write neither the lengths, the tables nor the cache's past positions
+    // (< context - Sq); so those tiles are requested before the wait and stream in while the
+    // previous kernel drains. Everything else (the query, the Sq new positions) is read after it.
+    const bool prefetch = p.prefetch_past != 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // When launched as a programmatic dependent of the previous kernel (which may have written the
-    // query, the caches, the tables or the lengths), wait for it before the first global read; a
-    // no-op otherwise. Then let our own dependent (the reduce kernel, or the next kernel) be
-    // scheduled; it waits for this whole grid before reading anything.
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // query, the caches, the tables or the lengths), wait for it before the first global read (with
+    // prefetch_past: before the first read of anything but the above); a no-op otherwise. Then let
+    // our own dependent (the reduce kernel, or the next kernel) be scheduled; it waits for this whole
+    // grid before reading anything.
+    if (!prefetch) asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     const int split = blockIdx.x;
@@ -234,20 +240,26 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     T const* v_cache = static_cast<T const*>(p.v_cache);
     int32_t const* table = p.block_tables + static_cast<size_t>(b) * p.max_blocks_per_seq;
 
-    // Q first: its load overlaps the context-length read the K/V addresses depend on.
     // Q rows of this block: row r = s * G + g  ->  query[b, s, kvh * G + g, :]; padding rows are zero.
-    for (int i = threadIdx.x; i < kRowsPerCta * kChunks; i += kThreads) {
-        const int r = i / kChunks, c = i % kChunks;
-        const int row = row0 + r;
-        const bool valid = row < rows_total;
-        T const* src = query;
-        if (valid) {
-            const int s = row / group, g = row % group;
-            src = query + ((static_cast<size_t>(b) * p.query_len + s) * p.num_heads + kvh * group + g) * D + c * 8;
+    auto load_query = [&]() {
+        for (int i = threadIdx.x; i < kRowsPerCta * kChunks; i += kThreads) {
+            const int r = i / kChunks, c = i % kChunks;
+            const int row = row0 + r;
+            const bool valid = row < rows_total;
+            T const* src = query;
+            if (valid) {
+                const int s = row / group, g = row % group;
+                src = query + ((static_cast<size_t>(b) * p.query_len + s) * p.num_heads + kvh * group + g) * D + c * 8;
+            }
+            ptx::cp_async_16(sQ + r * kStride + c * 8, src, valid);
         }
-        ptx::cp_async_16(sQ + r * kStride + c * 8, src, valid);
+    };
+    // Without prefetch, Q first (its own cp.async group): its load overlaps the context-length read
+    // the K/V addresses depend on. With prefetch, Q follows the prefetched tiles (after the wait).
+    if (!prefetch) {
+        load_query();
+        ptx::cp_async_commit();
     }
-    ptx::cp_async_commit();
 
     const int ctx = p.context_lens[b];
     const bool bad_ctx = ctx < p.query_len || ctx > p.max_blocks_per_seq * BS;
@@ -260,7 +272,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int num_tiles = t_end > t_begin ? (t_end - t_begin + kTileTokens - 1) / kTileTokens : 0;
     __syncthreads();
 
-    auto load_tile = [&](int tile, int stage) {
+    // Positions copied before the wait (prefetch) and after it: [t_begin, past_end) and [past_end, t_end).
+    const int past_end = prefetch ? max(t_begin, min(t_end, ctx_eff - p.query_len)) : t_end;
+
+    // Stage a tile: token rows in [lo, hi) are copied; with zero_tail, rows >= t_end are zero-filled
+    // (masked anyway, but V must be finite: P = 0 times garbage could be NaN); other rows are left
+    // alone (a later load_tile call of the same stage fills them).
+    auto load_tile = [&](int tile, int stage, int lo, int hi, bool zero_tail) {
         const int t0 = t_begin + tile * kTileTokens;
         T* dk = sK + stage * kTileTokens * kStride;
         T* dv = sV + stage * kTileTokens * kStride;
@@ -271,14 +289,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
 #pragma unroll
         for (int it = 0; it < kIters; ++it) {
             const int t = t0 + (threadIdx.x + it * kThreads) / kChunks;
-            page[it] = t < t_end ? __ldg(table + t / BS) : 0;
+            page[it] = t >= lo && t < hi ? __ldg(table + t / BS) : 0;
         }
 #pragma unroll
         for (int it = 0; it < kIters; ++it) {
             const int i = threadIdx.x + it * kThreads;
             const int tok = i / kChunks, c = i % kChunks;
             const int t = t0 + tok;
-            bool valid = t < t_end;
+            bool valid = t >= lo && t < hi;
+            if (!valid && !(zero_tail && t >= t_end)) continue;
             size_t off = 0;
             if (valid) {
                 if (page[it] < 0 || page[it] >= p.num_blocks) {
@@ -291,7 +310,6 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             ptx::cp_async_16(dk + tok * kStride + c * 8, k_cache + off, valid);
             ptx::cp_async_16(dv + tok * kStride + c * 8, v_cache + off, valid);
         }
-        ptx::cp_async_commit();
     };
 
     const int gid = lane >> 2;  // row within the m16 tile (and +8)
@@ -317,22 +335,32 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     float l_run[2] = {0.f, 0.f};
 
     // Prologue: kStages - 1 tiles in flight; every step then issues one more and waits for the oldest.
+    // With prefetch, only their past rows, before the wait; then one group with Q and the rest of
+    // those tiles (the new positions), so tile 0 waits for one group more than the steady state.
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-        if (i < num_tiles) {
-            load_tile(i, i);
-        } else {
-            ptx::cp_async_commit();  // keep the group count uniform
-        }
+        if (i < num_tiles) load_tile(i, i, t_begin, past_end, true);
+        ptx::cp_async_commit();  // (empty when there is no such tile: the group count stays uniform)
+    }
+    if (prefetch) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+        load_query();
+#pragma unroll
+        for (int i = 0; i < kStages - 1; ++i)
+            if (i < num_tiles && past_end < t_end) load_tile(i, i, past_end, t_end, false);
+        ptx::cp_async_commit();
     }
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int next = tile + kStages - 1;
-        if (next < num_tiles) {
-            load_tile(next, next % kStages);
+        if (next < num_tiles) load_tile(next, next % kStages, t_begin, t_end, true);
+        ptx::cp_async_commit();
+        if (prefetch && tile == 0) {
+            ptx::cp_async_wait<kStages - 2>();  // tiles 0 .. kStages-2 and the Q group
         } else {
-            ptx::cp_async_commit();
+            ptx::cp_async_wait<kStages - 1>();
         }
-        ptx::cp_async_wait<kStages - 1>();
         __syncthreads();
         if (tile == 0) {
 #pragma unroll

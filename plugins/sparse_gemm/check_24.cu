@@ -44,9 +44,54 @@ __global__ void transpose16_kernel(uint16_t const* in, uint16_t* out, int64_t ro
     }
 }
 
+// The same with 16-byte accesses on both sides, for rows % 8 == 0, ld_in % 8 == 0 and 16-byte aligned
+// pointers: a 64x64 tile per 256 threads; each thread loads two 8-element row chunks and stores two
+// 8-element chunks of output rows (gathered from a shared-memory column). The unvectorized kernel
+// above moved 2 bytes per access and cost about a third of a sparse product's time at M = 2048.
+constexpr int kVecTile = 64;
+__global__ void __launch_bounds__(256) transpose16_vec_kernel(uint4 const* in, uint4* out, int64_t rows, int64_t cols,
+    int64_t ld_in) {
+    __shared__ uint16_t tile[kVecTile][kVecTile + 2];  // +2: column reads of one warp spread over banks
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kVecTile, c0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int idx = threadIdx.x + i * 256;
+        const int r = idx / 8, c = (idx % 8) * 8;
+        if (r0 + r < rows && c0 + c < cols) {
+            const uint4 v = in[((r0 + r) * ld_in + c0 + c) / 8];
+            const uint16_t* e = reinterpret_cast<uint16_t const*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) tile[r][c + j] = e[j];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int idx = threadIdx.x + i * 256;
+        const int c = idx / 8, r = (idx % 8) * 8;  // output row c0 + c, its columns r0 + r .. + 7
+        if (c0 + c < cols && r0 + r < rows) {
+            uint4 v;
+            uint16_t* e = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) e[j] = tile[r + j][c];
+            out[((c0 + c) * rows + r0 + r) / 8] = v;
+        }
+    }
+}
+
 }  // namespace
 
 Status launch_transpose16(void const* in, void* out, int64_t rows, int64_t cols, int64_t ld_in, cudaStream_t stream) {
+    const bool aligned = reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    if (aligned && rows % 8 == 0 && ld_in % 8 == 0) {
+        const dim3 grid(static_cast<unsigned>((cols + kVecTile - 1) / kVecTile),
+            static_cast<unsigned>((rows + kVecTile - 1) / kVecTile));
+        if (grid.y > 65535) return Status::Error("transpose: too many rows");
+        transpose16_vec_kernel<<<grid, 256, 0, stream>>>(static_cast<uint4 const*>(in), static_cast<uint4*>(out),
+            rows, cols, ld_in);
+        ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+        return Status::Ok();
+    }
     const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
     if (grid.y > 65535) return Status::Error("transpose: too many rows");
     transpose16_kernel<<<grid, dim3(32, 8), 0, stream>>>(

@@ -21,13 +21,13 @@ REDUCE = ["single", "two"]
 
 
 def _run_case(torch, dtype, head_size, block_size, heads, kv_heads, query_len, context_lens, num_splits, seed=0,
-              reduce="auto"):
+              reduce="auto", prefetch_past=False):
     g = torch.Generator().manual_seed(seed)
     B = len(context_lens)
     k_cache, v_cache, tables, ctx = reference.make_paged_cache(
         B, context_lens, kv_heads, head_size, block_size, dtype, "cuda", generator=g)
     q = torch.randn(B, query_len, heads, head_size, generator=g).to(dtype).cuda()
-    op = kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits, reduce=reduce)
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, num_splits, reduce=reduce, prefetch_past=prefetch_past)
     out = op(q, k_cache, v_cache, tables, ctx)
     ref = reference.paged_attention(q, k_cache, v_cache, tables, ctx)
     assert int(op.counters.abs().sum().item()) == 0, "split counters must be left zero for the next call"
@@ -43,9 +43,10 @@ CASES = list(itertools.product(
 ))
 
 
+@pytest.mark.parametrize("prefetch_past", [False, True], ids=["wait-first", "prefetch-past"])
 @pytest.mark.parametrize("reduce", REDUCE)
 @pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len", [(c[0], c[1], c[2], c[3], c[4]) for c in CASES])
-def test_matches_reference(kernels_lib, dtype, head_size, block_size, heads, query_len, reduce):
+def test_matches_reference(kernels_lib, dtype, head_size, block_size, heads, query_len, reduce, prefetch_past):
     import torch
 
     h, hkv = heads
@@ -53,7 +54,7 @@ def test_matches_reference(kernels_lib, dtype, head_size, block_size, heads, que
     # one block (no merge: run once), the launcher's choice, forced split-K
     for splits in (1, 0, 7) if reduce == "single" else (0, 7):
         err, flag = _run_case(torch, getattr(torch, dtype), head_size, block_size, h, hkv, query_len, contexts, splits,
-                              reduce=reduce)
+                              reduce=reduce, prefetch_past=prefetch_past)
         assert flag == 0
         assert err < TOL[dtype], f"splits={splits} reduce={reduce}: max error {err}"
 
@@ -203,6 +204,68 @@ def test_two_kernel_merge_back_to_back_in_a_graph(kernels_lib):
     ref = reference.paged_attention(q2, k_cache, v_cache, tables, ctx)
     assert (outs[1].float() - ref).abs().max().item() < 2e-3
     assert int(op.error_flag.item()) == 0
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_prefetch_past_reads_the_new_positions_after_the_wait(kernels_lib, query_len):
+    """write_kv then attention with prefetch_past (a programmatic dependent of write_kv, as the
+    TensorRT plugin launches them), back to back in a CUDA graph with new keys/values alternating:
+    every call must see the positions write_kv just wrote, bit-identical to the wait-first kernel."""
+    import torch
+
+    B, Hkv, D, BS = 3, 8, 128, 16
+    g = torch.Generator().manual_seed(11)
+    contexts = [1500, 4000, 333 + query_len]
+    k_cache, v_cache, tables, ctx = reference.make_paged_cache(B, contexts, Hkv, D, BS, torch.float16, "cuda",
+                                                               generator=g)
+    q = torch.randn(B, query_len, 32, D, generator=g).half().cuda()
+    pos = [c - query_len + s for c in contexts for s in range(query_len)]
+    rows = [b for b in range(B) for _ in range(query_len)]
+    tab = tables.cpu()
+    slots = torch.tensor([int(tab[b, p // BS]) * BS + p % BS for b, p in zip(rows, pos)], dtype=torch.int32).cuda()
+    news = [(torch.randn(B * query_len, Hkv, D, generator=g).half().cuda(),
+             torch.randn(B * query_len, Hkv, D, generator=g).half().cuda()) for _ in range(2)]
+    plain = kernels.PagedAttention(q, k_cache, v_cache, tables, 0, reduce="two")
+    fetch = kernels.PagedAttention(q, k_cache, v_cache, tables, 0, reduce="two", dependent_launch=True,
+                                   prefetch_past=True)
+    assert fetch.splits > 1
+    want = []
+    for k, v in news:
+        assert kernels.write_kv(k, v, slots, k_cache, v_cache) == 0
+        want.append(plain(q, k_cache, v_cache, tables, ctx).clone())
+        ref = reference.paged_attention(q, k_cache, v_cache, tables, ctx)
+        assert (want[-1].float() - ref).abs().max().item() < 2e-3
+    assert not torch.equal(want[0], want[1])
+
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    outs = [torch.empty_like(q) for _ in range(4)]
+
+    def steps():
+        for i in range(4):
+            k, v = news[i % 2]
+            kernels.write_kv(k, v, slots, k_cache, v_cache, error_flag=flag)
+            fetch(q, k_cache, v_cache, tables, ctx, outs[i])
+
+    steps()
+    torch.cuda.synchronize()
+    for i in range(4):
+        assert torch.equal(outs[i], want[i % 2]), i
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        steps()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    for _ in range(5):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(4):
+            assert torch.equal(outs[i], want[i % 2]), i
+    assert int(flag.item()) == 0 and int(fetch.error_flag.item()) == 0
 
 
 def test_single_kernel_merge_without_counters_is_an_error(kernels_lib):

@@ -72,24 +72,17 @@ struct BlobHeader {
 };
 
 // How W and X are described to cuSPARSELt (the memory is the same either way):
-//   kRowA:    A = W row-major N x K, op N;  B = X row-major M x K, op T  (PyTorch's _cslt_sparse_mm)
-//   kColAT:   A = W as column-major K x N, op T;  B = X as column-major K x M, op N
-//   kSparseB: A = X row-major M x K, op N;  B = W as column-major K x N (structured), op N; then C is
-//             Y [M, N] row-major itself: no transpose, no staging (OutOrder does not apply).
-// Measured on an H200 (cuSPARSELt of torch 2.11): kRowA and kColAT the same speed.
-// ES_SPARSE_LAYOUT=col picks kColAT, =sparse_b kSparseB.
-enum class Layout { kRowA, kColAT, kSparseB };
+//   kRowA:  A = W row-major N x K, op N;  B = X row-major M x K, op T  (PyTorch's _cslt_sparse_mm)
+//   kColAT: A = W as column-major K x N, op T;  B = X as column-major K x M, op N
+// Measured on an H200 (cuSPARSELt of torch 2.11): the same speed. ES_SPARSE_LAYOUT=col picks kColAT.
+enum class Layout { kRowA, kColAT };
 const Layout kLayout = [] {
     char const* v = std::getenv("ES_SPARSE_LAYOUT");
-    if (v != nullptr && std::string(v) == "col") return Layout::kColAT;
-    if (v != nullptr && std::string(v) == "sparse_b") return Layout::kSparseB;
-    return Layout::kRowA;
+    return (v != nullptr && std::string(v) == "col") ? Layout::kColAT : Layout::kRowA;
 }();
-// The operation applied to the structured W, and whether W is cuSPARSELt's A.
-cusparseOperation_t op_w() {
-    return kLayout == Layout::kColAT ? CUSPARSE_OPERATION_TRANSPOSE : CUSPARSE_OPERATION_NON_TRANSPOSE;
+cusparseOperation_t op_a() {
+    return kLayout == Layout::kRowA ? CUSPARSE_OPERATION_NON_TRANSPOSE : CUSPARSE_OPERATION_TRANSPOSE;
 }
-int w_is_a() { return kLayout == Layout::kSparseB ? 0 : 1; }
 
 // C order: kCol writes Y [M, N] row-major directly (Yᵀ column-major); kRowT has cuSPARSELt write
 // Yᵀ [N, M] row-major (what PyTorch's F.linear path returns, as a transposed view) into the
@@ -102,11 +95,9 @@ const OutOrder kOut = [] {
     return (v != nullptr && std::string(v) == "col") ? OutOrder::kCol : OutOrder::kRowT;
 }();
 
-cusparseOperation_t op_x() {
+cusparseOperation_t op_b() {
     return kLayout == Layout::kRowA ? CUSPARSE_OPERATION_TRANSPOSE : CUSPARSE_OPERATION_NON_TRANSPOSE;
 }
-// Yᵀ staged and transposed afterwards (kRowT with W as A) or Y written directly.
-bool transposed_out() { return kLayout != Layout::kSparseB && kOut == OutOrder::kRowT; }
 
 cudaDataType cuda_type(DType t) { return t == DType::kFloat16 ? CUDA_R_16F : CUDA_R_16BF; }
 
@@ -173,7 +164,7 @@ struct SparseGemm24::Impl {
         if (kLayout == Layout::kRowA)
             ES_RETURN_IF_LT_ERROR(cusparseLtStructuredDescriptorInit(&handle, &mat_a, n, k, k, kAlignment,
                 cuda_type(dtype), CUSPARSE_ORDER_ROW, CUSPARSELT_SPARSITY_50_PERCENT));
-        else  // kColAT and kSparseB: the same memory as a column-major K x N
+        else
             ES_RETURN_IF_LT_ERROR(cusparseLtStructuredDescriptorInit(&handle, &mat_a, k, n, k, kAlignment,
                 cuda_type(dtype), CUSPARSE_ORDER_COL, CUSPARSELT_SPARSITY_50_PERCENT));
         mat_a_ready = true;
@@ -187,28 +178,21 @@ struct SparseGemm24::Impl {
         p->m_plan = m_plan;
         // B = Xᵀ: kRowA describes X [M, K] row-major used transposed (PyTorch's choice), kColAT the
         // same memory as a column-major K x M.
-        // (mat_b is X whichever operand it is.)
-        if (kLayout == Layout::kColAT)
-            ES_RETURN_IF_LT_ERROR(cusparseLtDenseDescriptorInit(
-                &handle, &p->mat_b, k, m_plan, k, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_COL));
-        else
+        if (kLayout == Layout::kRowA)
             ES_RETURN_IF_LT_ERROR(cusparseLtDenseDescriptorInit(
                 &handle, &p->mat_b, m_plan, k, k, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_ROW));
-        cusparseStatus_t st;
-        if (kLayout == Layout::kSparseB)
-            st = cusparseLtDenseDescriptorInit(&handle, &p->mat_c, m_plan, n, n, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_ROW);
-        else if (kOut == OutOrder::kCol)
-            st = cusparseLtDenseDescriptorInit(&handle, &p->mat_c, n, m_plan, n, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_COL);
         else
-            st = cusparseLtDenseDescriptorInit(&handle, &p->mat_c, n, m_plan, m_plan, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_ROW);
+            ES_RETURN_IF_LT_ERROR(cusparseLtDenseDescriptorInit(
+                &handle, &p->mat_b, k, m_plan, k, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_COL));
+        cusparseStatus_t st = kOut == OutOrder::kCol
+            ? cusparseLtDenseDescriptorInit(&handle, &p->mat_c, n, m_plan, n, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_COL)
+            : cusparseLtDenseDescriptorInit(&handle, &p->mat_c, n, m_plan, m_plan, kAlignment, cuda_type(dtype), CUSPARSE_ORDER_ROW);
         if (st != CUSPARSE_STATUS_SUCCESS) {
             cusparseLtMatDescriptorDestroy(&p->mat_b);
             ES_RETURN_IF_LT_ERROR(st);
         }
-        st = w_is_a() ? cusparseLtMatmulDescriptorInit(&handle, &p->matmul, op_w(), op_x(), &mat_a, &p->mat_b,
-                            &p->mat_c, &p->mat_c, CUSPARSE_COMPUTE_32F)
-                      : cusparseLtMatmulDescriptorInit(&handle, &p->matmul, op_x(), op_w(), &p->mat_b, &mat_a,
-                            &p->mat_c, &p->mat_c, CUSPARSE_COMPUTE_32F);
+        st = cusparseLtMatmulDescriptorInit(&handle, &p->matmul, op_a(),
+            op_b(), &mat_a, &p->mat_b, &p->mat_c, &p->mat_c, CUSPARSE_COMPUTE_32F);
         if (st == CUSPARSE_STATUS_SUCCESS)
             st = cusparseLtMatmulAlgSelectionInit(&handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT);
         if (st == CUSPARSE_STATUS_SUCCESS) {
@@ -249,7 +233,7 @@ struct SparseGemm24::Impl {
 
     // Staging in the workspace: X and Y padded to m_plan rows when padded; Yᵀ when kRowT.
     size_t staging_bytes(Plan const& p) const {
-        if (!p.padded && !transposed_out()) return 0;
+        if (!p.padded && kOut == OutOrder::kCol) return 0;
         return align_up(static_cast<size_t>(p.m_plan) * k * 2, 256) + align_up(static_cast<size_t>(p.m_plan) * n * 2, 256);
     }
 
@@ -271,7 +255,7 @@ struct SparseGemm24::Impl {
                 cudaMemcpyAsync(base, x, static_cast<size_t>(m) * k * 2, cudaMemcpyDeviceToDevice, stream));
             *bx = base;
         }
-        if (p.padded || transposed_out()) *by = y_stage;
+        if (p.padded || kOut == OutOrder::kRowT) *by = y_stage;
         return Status::Ok();
     }
 
@@ -289,7 +273,7 @@ struct SparseGemm24::Impl {
 
     // Move cuSPARSELt's result into Y [M, N] row-major.
     Status finish(Plan const& p, void const* by, void* y, int64_t m, cudaStream_t stream) const {
-        if (transposed_out()) {
+        if (kOut == OutOrder::kRowT) {
             // by holds Yᵀ [N, m_plan] row-major; its first m columns are Y's rows.
             return launch_transpose16(by, y, n, m, p.m_plan, stream);
         }
@@ -314,7 +298,7 @@ Status SparseGemm24::create_from_dense(
     void* buffer = nullptr;
     if (buffer_size) ES_RETURN_IF_CUDA_ERROR(cudaMalloc(&buffer, buffer_size));
     cusparseStatus_t st = cusparseLtSpMMACompress2(
-        &impl->handle, &impl->mat_a, w_is_a(), op_w(), d_weight, impl->compressed, buffer, stream);
+        &impl->handle, &impl->mat_a, 1, op_a(), d_weight, impl->compressed, buffer, stream);
     cudaError_t sync = cudaStreamSynchronize(stream);
     if (buffer) cudaFree(buffer);
     ES_RETURN_IF_LT_ERROR(st);
@@ -386,10 +370,8 @@ Status SparseGemm24::run(void const* x, void* y, int64_t m, void* ws, size_t ws_
     Impl::Bound b;
     ES_RETURN_IF_ERROR(impl_->prepare(m, x, y, ws, ws_bytes, stream, &b));
     const float alpha = 1.f, beta = 0.f;
-    void const* first = w_is_a() ? impl_->compressed : b.x;
-    void const* second = w_is_a() ? b.x : impl_->compressed;
     ES_RETURN_IF_LT_ERROR(cusparseLtMatmul(
-        &impl_->handle, &b.plan->plan, &alpha, first, second, &beta, b.y, b.y, b.lt_ws, &stream, 1));
+        &impl_->handle, &b.plan->plan, &alpha, impl_->compressed, b.x, &beta, b.y, b.y, b.lt_ws, &stream, 1));
     return impl_->finish(*b.plan, b.y, y, m, stream);
 }
 
@@ -400,8 +382,8 @@ Status SparseGemm24::tune(void const* x, void* y, int64_t m, void* ws, size_t ws
     Plan* p = b.plan;
     const float alpha = 1.f, beta = 0.f;
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulSearch(&impl_->handle, &p->plan, &alpha, w_is_a() ? impl_->compressed : b.x,
-        w_is_a() ? b.x : impl_->compressed, &beta, b.y, b.y, b.lt_ws, &stream, 1));
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulSearch(
+        &impl_->handle, &p->plan, &alpha, impl_->compressed, b.x, &beta, b.y, b.y, b.lt_ws, &stream, 1));
     size_t after = 0;
     ES_RETURN_IF_LT_ERROR(cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &after));
     if (after > p->lt_workspace) {

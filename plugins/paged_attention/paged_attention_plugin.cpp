@@ -299,9 +299,9 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     p.max_blocks_per_seq = static_cast<int>(bt.d[1]);
     p.scale = config_.scale;
     p.dtype = dtype;
-    // write_kv: the kernel before ours is launch_write_kv (a plain launch: all earlier work is done)
-    // and it writes only the new positions, so the past K/V may be requested before the wait.
-    p.prefetch_past = config_.write_kv;
+    // prefetch_past stays off: it would be valid after launch_write_kv (a plain launch writing only
+    // the new positions), but write_kv + attention measured no faster with it on an H100 (slower at
+    // 1k-8k; benchmarks/plugins/results/h100_session7_paged_prefetch*.json, mode wkv-prefetch).
     // Same rule getWorkspaceSize sized for (workspace_bound), so the workspace always fits.
     p.num_splits = std::min<int>(config_.max_splits,
         pa::choose_num_splits(batch, query_len, p.num_heads, p.num_kv_heads, p.max_blocks_per_seq, p.block_size,

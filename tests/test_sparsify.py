@@ -152,7 +152,7 @@ def test_wanda_and_magnitude_choose_different_weights(tiny_engine, calib, privat
 def test_profitability_keeps_unprofitable_layers_dense(tiny_engine, tmp_path):
     src = tiny_engine("llama") / "model.onnx"
     model = ir.load(src)
-    result = sparsify(model, SparsifyParams(method="magnitude"), None)     # the H200 table: 64x64 never pays
+    result = sparsify(model, SparsifyParams(method="magnitude"), None)     # the shipped table: 64x64 never pays
     assert result.counts == {"pruned_24": 0, "kept_dense_unprofitable": 14, "skipped": 1}
     assert all("sparse does not pay" in r.reason for r in result.skipped if "lm_head" not in r.reason)
     table = {"device": "test", "threshold": 1.05, "shapes": {"64x64": {"speedup_by_m": {"16": 1.5}, "min_m": 16},

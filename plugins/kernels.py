@@ -26,7 +26,7 @@ DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
 ALL_ARCHS = "80-real;86-real;87-real;89-real;90"
 
 FLOAT16, BFLOAT16 = 0, 1  # enginesmith::DType
-ABI_VERSION = 3  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
+ABI_VERSION = 4  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
 
 
 class KernelError(RuntimeError):
@@ -109,7 +109,8 @@ def lib() -> ctypes.CDLL:
         "es_sparse_gemm_export": (I, [P, P, P, P]),
         "es_sparse_gemm_workspace_size": (I, [P, I64, P]),
         "es_sparse_gemm_run": (I, [P, P, P, I64, P, SZ, P]),
-        "es_sparse_gemm_tune": (I, [P, P, P, I64, P, SZ, P]),
+        "es_sparse_gemm_algorithm_count": (I, [P, I64, P]),
+        "es_sparse_gemm_set_algorithm": (I, [P, I64, I, I, P]),
         "es_sparse_gemm_destroy": (None, [P]),
     }
     if L.es_abi_version() != ABI_VERSION:
@@ -315,14 +316,19 @@ class SparseGemm24:
         _check(lib().es_sparse_gemm_run(self._h, x.data_ptr(), out.data_ptr(), M, ws.data_ptr(), ws.numel(), _stream()))
         return out
 
-    def tune(self, x, out) -> None:
-        """Let cuSPARSELt time its algorithms for this M and keep the fastest."""
-        import torch
+    def algorithm_count(self, m: int) -> int:
+        """The highest cuSPARSELt kernel configuration id for this M's plan (ids 0 .. it)."""
+        max_id = ctypes.c_int()
+        _check(lib().es_sparse_gemm_algorithm_count(self._h, m, ctypes.byref(max_id)))
+        return max_id.value
 
-        M = x.shape[0]
-        self._ws = torch.empty(max(self._ws.numel(), 256 << 20), dtype=torch.uint8, device="cuda")
-        _check(lib().es_sparse_gemm_tune(self._h, x.data_ptr(), out.data_ptr(), M, self._ws.data_ptr(),
-                                         self._ws.numel(), _stream()))
+    def set_algorithm(self, m: int, config_id: int, split_k: int = 1) -> int:
+        """Use kernel configuration `config_id` with `split_k` for this M; returns the workspace bytes
+        a call then needs. Timing the choices is the caller's (benchmarks/plugins/bench_plugins.py
+        tries each in a child process first: a configuration may break the CUDA context)."""
+        need = ctypes.c_size_t()
+        _check(lib().es_sparse_gemm_set_algorithm(self._h, m, config_id, split_k, ctypes.byref(need)))
+        return need.value
 
     @property
     def n(self) -> int:

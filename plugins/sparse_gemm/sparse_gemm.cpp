@@ -37,7 +37,8 @@ Status SparseGemm24::create_from_compressed(void const*, size_t, cudaStream_t, s
 Status SparseGemm24::export_compressed(std::vector<uint8_t>*, cudaStream_t) const { return unavailable(); }
 Status SparseGemm24::workspace_size(int64_t, size_t*) { return unavailable(); }
 Status SparseGemm24::run(void const*, void*, int64_t, void*, size_t, cudaStream_t) { return unavailable(); }
-Status SparseGemm24::tune(void const*, void*, int64_t, void*, size_t, cudaStream_t) { return unavailable(); }
+Status SparseGemm24::algorithm_count(int64_t, int*) { return unavailable(); }
+Status SparseGemm24::set_algorithm(int64_t, int, int, size_t*) { return unavailable(); }
 DType SparseGemm24::dtype() const { return DType::kFloat16; }
 int64_t SparseGemm24::n() const { return 0; }
 int64_t SparseGemm24::k() const { return 0; }
@@ -375,23 +376,53 @@ Status SparseGemm24::run(void const* x, void* y, int64_t m, void* ws, size_t ws_
     return impl_->finish(*b.plan, b.y, y, m, stream);
 }
 
-Status SparseGemm24::tune(void const* x, void* y, int64_t m, void* ws, size_t ws_bytes, cudaStream_t stream) {
-    if (m <= 0) return Status::Ok();
-    Impl::Bound b;
-    ES_RETURN_IF_ERROR(impl_->prepare(m, x, y, ws, ws_bytes, stream, &b));
-    Plan* p = b.plan;
-    const float alpha = 1.f, beta = 0.f;
+Status SparseGemm24::algorithm_count(int64_t m, int* max_id) {
+    if (m <= 0) return Status::Error("sparse gemm: M must be positive");
+    Plan* p = nullptr;
+    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulSearch(
-        &impl_->handle, &p->plan, &alpha, impl_->compressed, b.x, &beta, b.y, b.y, b.lt_ws, &stream, 1));
-    size_t after = 0;
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &after));
-    if (after > p->lt_workspace) {
-        // The chosen algorithm wants more workspace than the caller sized for: tell them.
-        p->lt_workspace = after;
-        return Status::Error("sparse gemm: tuned plan needs a larger workspace (" + std::to_string(after) +
-                             " bytes); query workspace_size again");
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgGetAttribute(
+        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, max_id, sizeof(*max_id)));
+    return Status::Ok();
+}
+
+Status SparseGemm24::set_algorithm(int64_t m, int config_id, int split_k, size_t* workspace) {
+    if (m <= 0) return Status::Error("sparse gemm: M must be positive");
+    if (split_k < 1) return Status::Error("sparse gemm: split_k must be >= 1");
+    Plan* p = nullptr;
+    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    int max_id = 0;
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgGetAttribute(
+        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, &max_id, sizeof(max_id)));
+    if (config_id < 0 || config_id > max_id)
+        return Status::Error("sparse gemm: config " + std::to_string(config_id) + " outside [0, " +
+                             std::to_string(max_id) + "] for M=" + std::to_string(m));
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgSetAttribute(
+        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &config_id, sizeof(config_id)));
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgSetAttribute(
+        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K, &split_k, sizeof(split_k)));
+    // The plan captures the selection when it is made: make it again.
+    cusparseLtMatmulPlanDestroy(&p->plan);
+    const cusparseStatus_t st = cusparseLtMatmulPlanInit(&impl_->handle, &p->plan, &p->matmul, &p->alg);
+    if (st != CUSPARSE_STATUS_SUCCESS) {
+        // Back to the default selection, so the plan stays usable.
+        int zero = 0, one = 1;
+        cusparseLtMatmulAlgSetAttribute(&impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &zero, sizeof(zero));
+        cusparseLtMatmulAlgSetAttribute(&impl_->handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K, &one, sizeof(one));
+        if (cusparseLtMatmulPlanInit(&impl_->handle, &p->plan, &p->matmul, &p->alg) != CUSPARSE_STATUS_SUCCESS) {
+            cusparseLtMatmulAlgSelectionDestroy(&p->alg);  // unusable now: made again on the next call
+            cusparseLtMatDescriptorDestroy(&p->mat_b);
+            cusparseLtMatDescriptorDestroy(&p->mat_c);
+            p->ready = false;
+            impl_->plans.erase(m);
+        } else {
+            cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &p->lt_workspace);
+        }
+        ES_RETURN_IF_LT_ERROR(st);
     }
+    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &p->lt_workspace));
+    *workspace = impl_->total_workspace(*p);
     return Status::Ok();
 }
 

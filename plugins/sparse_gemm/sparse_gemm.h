@@ -70,8 +70,13 @@ public:
     Status workspace_size(int64_t m, size_t* bytes);
     // Y[M, N] = X[M, K] · Wᵀ on `stream`.
     Status run(void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-    // Time cuSPARSELt's algorithms for this M on real buffers and keep the fastest in the plan.
-    Status tune(void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+    // cuSPARSELt's kernel configurations for this M's plan: ids 0 .. *max_id (CONFIG_MAX_ID).
+    Status algorithm_count(int64_t m, int* max_id);
+    // Make this M's plan use kernel configuration `config_id` with `split_k` (1 = none); *workspace
+    // gets the bytes run() then needs. The caller times the choices (tuning lives in Python, where a
+    // configuration that breaks the CUDA context can be tried in a child process first;
+    // cusparseLtMatmulSearch itself did break it on an H200).
+    Status set_algorithm(int64_t m, int config_id, int split_k, size_t* workspace);
 
     DType dtype() const;
     int64_t n() const;

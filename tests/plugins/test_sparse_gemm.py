@@ -64,3 +64,27 @@ def test_compressed_weight_round_trips(sparse):
     assert torch.equal(a(x), b(x))
     with pytest.raises(kernels.KernelError, match="header|truncated"):
         kernels.SparseGemm24(blob=b"\0" * 64)
+
+
+def test_algorithm_choice_keeps_the_product_and_refuses_bad_ids(kernels_lib):
+    """set_algorithm re-plans one M with another kernel configuration / split-K: the product stays
+    right, other M keep theirs; an id outside cuSPARSELt's range or split_k 0 is refused by name."""
+    import torch
+
+    torch.manual_seed(3)
+    w = reference.prune_24_magnitude(torch.randn(256, 512, device="cuda", dtype=torch.float16))
+    g = kernels.SparseGemm24(w)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+    ref = x.float() @ w.float().t()
+    top = g.algorithm_count(256)
+    assert top >= 0
+    for config, split in ((0, 2), (top, 1), (0, 1)):
+        assert g.set_algorithm(256, config, split) >= 0
+        y = g(x)
+        assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-3, (config, split)
+    with pytest.raises(kernels.KernelError, match="outside"):
+        g.set_algorithm(256, top + 1, 1)
+    with pytest.raises(kernels.KernelError, match="split_k"):
+        g.set_algorithm(256, 0, 0)
+    y = g(x)  # still usable after the refusals
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-3

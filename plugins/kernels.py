@@ -110,7 +110,7 @@ def lib() -> ctypes.CDLL:
         "es_sparse_gemm_workspace_size": (I, [P, I64, P]),
         "es_sparse_gemm_run": (I, [P, P, P, I64, P, SZ, P]),
         "es_sparse_gemm_algorithm_count": (I, [P, I64, P]),
-        "es_sparse_gemm_set_algorithm": (I, [P, I64, I, I, P]),
+        "es_sparse_gemm_set_algorithm": (I, [P, I64, I, P]),
         "es_sparse_gemm_destroy": (None, [P]),
     }
     if L.es_abi_version() != ABI_VERSION:
@@ -322,12 +322,11 @@ class SparseGemm24:
         _check(lib().es_sparse_gemm_algorithm_count(self._h, m, ctypes.byref(max_id)))
         return max_id.value
 
-    def set_algorithm(self, m: int, config_id: int, split_k: int = 1) -> int:
-        """Use kernel configuration `config_id` with `split_k` for this M; returns the workspace bytes
-        a call then needs. Timing the choices is the caller's (benchmarks/plugins/bench_plugins.py
+    def set_algorithm(self, m: int, config_id: int) -> int:
+        """Use kernel configuration `config_id` for this M; returns the workspace bytes a call then needs. Timing the choices is the caller's (benchmarks/plugins/bench_plugins.py
         tries each in a child process first: a configuration may break the CUDA context)."""
         need = ctypes.c_size_t()
-        _check(lib().es_sparse_gemm_set_algorithm(self._h, m, config_id, split_k, ctypes.byref(need)))
+        _check(lib().es_sparse_gemm_set_algorithm(self._h, m, config_id, ctypes.byref(need)))
         return need.value
 
     @property

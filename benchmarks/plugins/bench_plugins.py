@@ -9,7 +9,7 @@ same keys/values laid out contiguously, effective bandwidth (KV bytes read / tim
 measured device copy bandwidth, and SDPA's own time and bandwidth on the contiguous cache.
 Sparse GEMM (2:4, fp16): Y = X·Wᵀ for K, N in {2048, 4096, 8192, 14336}, M in {1, 16, 256, 2048}:
 dense torch.matmul vs ours (cuSPARSELt's default configuration; with --tune also the fastest
-configuration x split-K found per shape, M >= 256) vs torch's
+configuration found per shape, M >= 256) vs torch's
 to_sparse_semi_structured; the per-shape profitability table goes into the same JSON.
 Every figure names the device it was measured on.
 
@@ -371,12 +371,9 @@ def run_probe(what: str, m: int) -> None:
     torch.cuda.synchronize()
 
 
-SPLIT_KS = (1, 2, 4)
-
-
-def tune_choices(g, ms) -> list[tuple[int, int, int]]:
-    """Every (M, config id, split_k) the search tries, in a fixed order."""
-    return [(m, c, s) for m in ms for c in range(g.algorithm_count(m) + 1) for s in SPLIT_KS]
+def tune_choices(g, ms) -> list[tuple[int, int]]:
+    """Every (M, config id) the search tries, in a fixed order (split-K: refused on an H100)."""
+    return [(m, c) for m in ms for c in range(g.algorithm_count(m) + 1)]
 
 
 def run_tune_child(k: int, n: int, ms: list[int], skip: int) -> None:
@@ -386,11 +383,11 @@ def run_tune_child(k: int, n: int, ms: list[int], skip: int) -> None:
     g = kernels.SparseGemm24(_make_24(n, k))
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.float16) for m in ms}
     ys = {m: torch.empty(m, n, device="cuda", dtype=torch.float16) for m in ms}
-    for i, (m, c, s) in enumerate(tune_choices(g, ms)):
+    for i, (m, c) in enumerate(tune_choices(g, ms)):
         if i < skip:
             continue
         try:
-            g.set_algorithm(m, c, s)
+            g.set_algorithm(m, c)
             g(xs[m], ys[m])
             torch.cuda.synchronize()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -399,13 +396,13 @@ def run_tune_child(k: int, n: int, ms: list[int], skip: int) -> None:
                 g(xs[m], ys[m])
             stop.record()
             torch.cuda.synchronize()
-            print(json.dumps({"i": i, "M": m, "config": c, "split_k": s, "ms": start.elapsed_time(stop) / 10}), flush=True)
+            print(json.dumps({"i": i, "M": m, "config": c, "ms": start.elapsed_time(stop) / 10}), flush=True)
         except kernels.KernelError as exc:  # refused (not a crash): record and go on
-            print(json.dumps({"i": i, "M": m, "config": c, "split_k": s, "error": str(exc)[:200]}), flush=True)
+            print(json.dumps({"i": i, "M": m, "config": c, "error": str(exc)[:200]}), flush=True)
 
 
 def search_algorithms(k: int, n: int, ms: list[int]) -> dict:
-    """Per M, the fastest (config, split_k) over cuSPARSELt's configurations, each tried in a child
+    """Per M, the fastest of cuSPARSELt's kernel configurations, each tried in a child
     process (cusparseLtMatmulSearch broke the CUDA context on an H200; a choice that does so here
     kills only its child, is recorded, and the search goes on after it)."""
     done, crashed, skip = {}, [], 0
@@ -418,6 +415,7 @@ def search_algorithms(k: int, n: int, ms: list[int]) -> dict:
             done[r["i"]] = r
         if proc.returncode == 0:
             break
+        print(f"tune child K={k} N={n} exit {proc.returncode}: {proc.stderr.strip()[-300:]}", flush=True)
         last = max(done) if done else skip - 1
         crashed.append(last + 1)  # the choice after the last one reported broke the child
         skip = last + 2
@@ -472,10 +470,10 @@ def bench_sparse(sizes, ms_list, tune: bool):
                 tuned_ms, tuned, tuned_err = None, None, None
                 if search and M in search["best"]:
                     tuned = search["best"][M]
-                    ours.set_algorithm(M, tuned["config"], tuned["split_k"])
+                    ours.set_algorithm(M, tuned["config"])
                     tuned_ms = cuda_time_ms(lambda: ours(x, y))
                     tuned_err = ((ours(x).float() - ref).abs().max() / ref.abs().max()).item()
-                    ours.set_algorithm(M, 0, 1)  # back to the default the plugin runs
+                    ours.set_algorithm(M, 0)  # back to configuration 0, the default the plugin runs
                 torch_ms = None
                 if w_torch is not None and not broken.get(("torch", M)):
                     try:
@@ -486,7 +484,7 @@ def bench_sparse(sizes, ms_list, tune: bool):
                     "K": K, "N": N, "M": M,
                     "dense_ms": round(dense_ms, 5), "ours_ms": round(ours_ms, 5),
                     "ours_tuned_ms": None if tuned_ms is None else round(tuned_ms, 5),
-                    "tuned_choice": None if tuned is None else {"config": tuned["config"], "split_k": tuned["split_k"]},
+                    "tuned_config": None if tuned is None else tuned["config"],
                     "torch_semi_structured_ms": None if torch_ms is None else round(torch_ms, 5),
                     "torch_backend": torch_backend,
                     # The default configuration: what SparseGemm24 and the plugin run.
@@ -522,7 +520,7 @@ def main() -> None:
     ap.add_argument("--no-host-loop", action="store_true",
                     help="attention: skip the per-call host-loop figure (ms_host_loop); the graph figure (ms) is always taken")
     ap.add_argument("--tune", action="store_true",
-                    help="sparse: also search cuSPARSELt's kernel configurations x split-K for M >= 256 (each "
+                    help="sparse: also search cuSPARSELt's kernel configurations for M >= 256 (each "
                          "shape in child processes; a choice that breaks the CUDA context is recorded and skipped)")
     ap.add_argument("--probe", choices=["torch", "tune"], help=argparse.SUPPRESS)
     ap.add_argument("--probe-m", type=int, default=1, help=argparse.SUPPRESS)

@@ -180,8 +180,8 @@ ES_CAPI int es_sparse_gemm_algorithm_count(void* handle, int64_t m, int* max_id)
     return done(static_cast<sg::SparseGemm24*>(handle)->algorithm_count(m, max_id));
 }
 
-ES_CAPI int es_sparse_gemm_set_algorithm(void* handle, int64_t m, int config_id, int split_k, size_t* workspace) {
-    return done(static_cast<sg::SparseGemm24*>(handle)->set_algorithm(m, config_id, split_k, workspace));
+ES_CAPI int es_sparse_gemm_set_algorithm(void* handle, int64_t m, int config_id, size_t* workspace) {
+    return done(static_cast<sg::SparseGemm24*>(handle)->set_algorithm(m, config_id, workspace));
 }
 
 ES_CAPI void es_sparse_gemm_destroy(void* handle) { delete static_cast<sg::SparseGemm24*>(handle); }

@@ -38,7 +38,7 @@ Status SparseGemm24::export_compressed(std::vector<uint8_t>*, cudaStream_t) cons
 Status SparseGemm24::workspace_size(int64_t, size_t*) { return unavailable(); }
 Status SparseGemm24::run(void const*, void*, int64_t, void*, size_t, cudaStream_t) { return unavailable(); }
 Status SparseGemm24::algorithm_count(int64_t, int*) { return unavailable(); }
-Status SparseGemm24::set_algorithm(int64_t, int, int, size_t*) { return unavailable(); }
+Status SparseGemm24::set_algorithm(int64_t, int, size_t*) { return unavailable(); }
 DType SparseGemm24::dtype() const { return DType::kFloat16; }
 int64_t SparseGemm24::n() const { return 0; }
 int64_t SparseGemm24::k() const { return 0; }
@@ -175,7 +175,8 @@ struct SparseGemm24::Impl {
         return Status::Ok();
     }
 
-    Status make_plan(int64_t m_plan, Plan* p) {
+    // config_id < 0: cuSPARSELt's default selection; else that kernel configuration.
+    Status make_plan(int64_t m_plan, Plan* p, int config_id = -1) {
         p->m_plan = m_plan;
         // B = Xᵀ: kRowA describes X [M, K] row-major used transposed (PyTorch's choice), kColAT the
         // same memory as a column-major K x M.
@@ -196,6 +197,11 @@ struct SparseGemm24::Impl {
             op_b(), &mat_a, &p->mat_b, &p->mat_c, &p->mat_c, CUSPARSE_COMPUTE_32F);
         if (st == CUSPARSE_STATUS_SUCCESS)
             st = cusparseLtMatmulAlgSelectionInit(&handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT);
+        if (st == CUSPARSE_STATUS_SUCCESS && config_id >= 0) {
+            st = cusparseLtMatmulAlgSetAttribute(
+                &handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &config_id, sizeof(config_id));
+            if (st != CUSPARSE_STATUS_SUCCESS) cusparseLtMatmulAlgSelectionDestroy(&p->alg);
+        }
         if (st == CUSPARSE_STATUS_SUCCESS) {
             st = cusparseLtMatmulPlanInit(&handle, &p->plan, &p->matmul, &p->alg);
             if (st != CUSPARSE_STATUS_SUCCESS) cusparseLtMatmulAlgSelectionDestroy(&p->alg);
@@ -386,9 +392,8 @@ Status SparseGemm24::algorithm_count(int64_t m, int* max_id) {
     return Status::Ok();
 }
 
-Status SparseGemm24::set_algorithm(int64_t m, int config_id, int split_k, size_t* workspace) {
+Status SparseGemm24::set_algorithm(int64_t m, int config_id, size_t* workspace) {
     if (m <= 0) return Status::Error("sparse gemm: M must be positive");
-    if (split_k < 1) return Status::Error("sparse gemm: split_k must be >= 1");
     Plan* p = nullptr;
     ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
     std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -398,31 +403,13 @@ Status SparseGemm24::set_algorithm(int64_t m, int config_id, int split_k, size_t
     if (config_id < 0 || config_id > max_id)
         return Status::Error("sparse gemm: config " + std::to_string(config_id) + " outside [0, " +
                              std::to_string(max_id) + "] for M=" + std::to_string(m));
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgSetAttribute(
-        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &config_id, sizeof(config_id)));
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgSetAttribute(
-        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K, &split_k, sizeof(split_k)));
-    // The plan captures the selection when it is made: make it again.
-    cusparseLtMatmulPlanDestroy(&p->plan);
-    const cusparseStatus_t st = cusparseLtMatmulPlanInit(&impl_->handle, &p->plan, &p->matmul, &p->alg);
-    if (st != CUSPARSE_STATUS_SUCCESS) {
-        // Back to the default selection, so the plan stays usable.
-        int zero = 0, one = 1;
-        cusparseLtMatmulAlgSetAttribute(&impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &zero, sizeof(zero));
-        cusparseLtMatmulAlgSetAttribute(&impl_->handle, &p->alg, CUSPARSELT_MATMUL_SPLIT_K, &one, sizeof(one));
-        if (cusparseLtMatmulPlanInit(&impl_->handle, &p->plan, &p->matmul, &p->alg) != CUSPARSE_STATUS_SUCCESS) {
-            cusparseLtMatmulAlgSelectionDestroy(&p->alg);  // unusable now: made again on the next call
-            cusparseLtMatDescriptorDestroy(&p->mat_b);
-            cusparseLtMatDescriptorDestroy(&p->mat_c);
-            p->ready = false;
-            impl_->plans.erase(m);
-        } else {
-            cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &p->lt_workspace);
-        }
-        ES_RETURN_IF_LT_ERROR(st);
-    }
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulGetWorkspace(&impl_->handle, &p->plan, &p->lt_workspace));
-    *workspace = impl_->total_workspace(*p);
+    // A new plan with that selection replaces the old one (re-initializing a live plan in place
+    // crashed cuSPARSELt 0.8 on an H100); on failure the old plan stays.
+    auto fresh = std::make_unique<Plan>();
+    ES_RETURN_IF_ERROR(impl_->make_plan(p->m_plan, fresh.get(), config_id));
+    fresh->padded = p->padded;
+    *workspace = impl_->total_workspace(*fresh);
+    impl_->plans[m] = std::move(fresh);
     return Status::Ok();
 }
 

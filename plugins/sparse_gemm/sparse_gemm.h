@@ -72,11 +72,11 @@ public:
     Status run(void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes, cudaStream_t stream);
     // cuSPARSELt's kernel configurations for this M's plan: ids 0 .. *max_id (CONFIG_MAX_ID).
     Status algorithm_count(int64_t m, int* max_id);
-    // Make this M's plan use kernel configuration `config_id` with `split_k` (1 = none); *workspace
-    // gets the bytes run() then needs. The caller times the choices (tuning lives in Python, where a
-    // configuration that breaks the CUDA context can be tried in a child process first;
-    // cusparseLtMatmulSearch itself did break it on an H200).
-    Status set_algorithm(int64_t m, int config_id, int split_k, size_t* workspace);
+    // Make this M's plan use kernel configuration `config_id`; *workspace gets the bytes run() then
+    // needs. The caller times the choices (tuning lives in Python, where a configuration that breaks
+    // the CUDA context can be tried in a child process first; cusparseLtMatmulSearch itself did break
+    // it on an H200). Split-K was refused (CUSPARSE_STATUS_INVALID_VALUE) on an H100, so it is not offered.
+    Status set_algorithm(int64_t m, int config_id, size_t* workspace);
 
     DType dtype() const;
     int64_t n() const;

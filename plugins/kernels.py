@@ -107,10 +107,9 @@ def lib() -> ctypes.CDLL:
         "es_sparse_gemm_create": (P, [I, I64, I64, P, P]),
         "es_sparse_gemm_create_from_blob": (P, [P, SZ, P]),
         "es_sparse_gemm_export": (I, [P, P, P, P]),
-        "es_sparse_gemm_workspace_size": (I, [P, I64, P]),
-        "es_sparse_gemm_run": (I, [P, P, P, I64, P, SZ, P]),
+        "es_sparse_gemm_workspace_size": (I, [P, I64, I, P]),
+        "es_sparse_gemm_run": (I, [P, P, P, I64, P, SZ, I, P]),
         "es_sparse_gemm_algorithm_count": (I, [P, I64, P]),
-        "es_sparse_gemm_set_algorithm": (I, [P, I64, I, P]),
         "es_sparse_gemm_destroy": (None, [P]),
     }
     if L.es_abi_version() != ABI_VERSION:
@@ -274,7 +273,11 @@ def check_24_device(weight) -> tuple[int, int]:
 
 
 class SparseGemm24:
-    """Y[M, N] = X[M, K] · Wᵀ with W [N, K] 2:4 sparse, compressed once at construction."""
+    """Y[M, N] = X[M, K] · Wᵀ with W [N, K] 2:4 sparse, compressed once at construction.
+
+    `config`: cuSPARSELt's kernel configuration the calls use (-1, the default: its own selection;
+    else an id below algorithm_count(M)). Time the choices before keeping one (the TensorRT plugin
+    offers them as tactics; benchmarks/plugins/bench_plugins.py --tune tries each in a child process)."""
 
     def __init__(self, weight=None, blob: bytes | None = None):
         import torch
@@ -291,6 +294,7 @@ class SparseGemm24:
             raise KernelError(lib().es_last_error().decode())
         self._h = ctypes.c_void_p(h)
         self._ws = torch.empty(0, dtype=torch.uint8, device="cuda")
+        self.config = -1
 
     def __del__(self):
         h = getattr(self, "_h", None)
@@ -301,7 +305,7 @@ class SparseGemm24:
         import torch
 
         need = ctypes.c_size_t()
-        _check(lib().es_sparse_gemm_workspace_size(self._h, m, ctypes.byref(need)))
+        _check(lib().es_sparse_gemm_workspace_size(self._h, m, self.config, ctypes.byref(need)))
         if need.value > self._ws.numel():
             self._ws = torch.empty(need.value, dtype=torch.uint8, device="cuda")
         return self._ws
@@ -313,21 +317,15 @@ class SparseGemm24:
         if out is None:
             out = torch.empty(M, self.n, dtype=x.dtype, device=x.device)
         ws = self._workspace(M)
-        _check(lib().es_sparse_gemm_run(self._h, x.data_ptr(), out.data_ptr(), M, ws.data_ptr(), ws.numel(), _stream()))
+        _check(lib().es_sparse_gemm_run(self._h, x.data_ptr(), out.data_ptr(), M, ws.data_ptr(), ws.numel(), self.config,
+                                        _stream()))
         return out
 
     def algorithm_count(self, m: int) -> int:
-        """The highest cuSPARSELt kernel configuration id for this M's plan (ids 0 .. it)."""
-        max_id = ctypes.c_int()
-        _check(lib().es_sparse_gemm_algorithm_count(self._h, m, ctypes.byref(max_id)))
-        return max_id.value
-
-    def set_algorithm(self, m: int, config_id: int) -> int:
-        """Use kernel configuration `config_id` for this M; returns the workspace bytes a call then needs. Timing the choices is the caller's (benchmarks/plugins/bench_plugins.py
-        tries each in a child process first: a configuration may break the CUDA context)."""
-        need = ctypes.c_size_t()
-        _check(lib().es_sparse_gemm_set_algorithm(self._h, m, config_id, ctypes.byref(need)))
-        return need.value
+        """How many kernel configurations cuSPARSELt has for this M (ids 0 .. count - 1)."""
+        count = ctypes.c_int()
+        _check(lib().es_sparse_gemm_algorithm_count(self._h, m, ctypes.byref(count)))
+        return count.value
 
     @property
     def n(self) -> int:

@@ -373,7 +373,7 @@ def run_probe(what: str, m: int) -> None:
 
 def tune_choices(g, ms) -> list[tuple[int, int]]:
     """Every (M, config id) the search tries, in a fixed order (split-K: refused on an H100)."""
-    return [(m, c) for m in ms for c in range(g.algorithm_count(m) + 1)]
+    return [(m, c) for m in ms for c in range(g.algorithm_count(m))]
 
 
 def run_tune_child(k: int, n: int, ms: list[int], skip: int) -> None:
@@ -387,7 +387,7 @@ def run_tune_child(k: int, n: int, ms: list[int], skip: int) -> None:
         if i < skip:
             continue
         try:
-            g.set_algorithm(m, c)
+            g.config = c
             g(xs[m], ys[m])
             torch.cuda.synchronize()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -470,10 +470,10 @@ def bench_sparse(sizes, ms_list, tune: bool):
                 tuned_ms, tuned, tuned_err = None, None, None
                 if search and M in search["best"]:
                     tuned = search["best"][M]
-                    ours.set_algorithm(M, tuned["config"])
+                    ours.config = tuned["config"]
                     tuned_ms = cuda_time_ms(lambda: ours(x, y))
                     tuned_err = ((ours(x).float() - ref).abs().max() / ref.abs().max()).item()
-                    ours.set_algorithm(M, 0)  # back to configuration 0, the default the plugin runs
+                    ours.config = -1  # back to cuSPARSELt's default selection
                 torch_ms = None
                 if w_torch is not None and not broken.get(("torch", M)):
                     try:

@@ -31,7 +31,7 @@ using enginesmith::DType;
 
 ES_CAPI char const* es_last_error() { return g_last_error.c_str(); }
 
-ES_CAPI int es_abi_version() { return 4; }  // 3: es_paged_attention takes prefetch_past; 4: sparse algorithms
+ES_CAPI int es_abi_version() { return 4; }  // 3: es_paged_attention takes prefetch_past; 4: sparse configs
 
 // Limits of the paged attention kernels, so Python never restates them.
 ES_CAPI int es_paged_attention_limits(int* head_sizes, int* num_head_sizes, int* block_sizes, int* num_block_sizes,
@@ -168,20 +168,19 @@ ES_CAPI int es_sparse_gemm_export(void* handle, void* blob, size_t* bytes, void*
     return 0;
 }
 
-ES_CAPI int es_sparse_gemm_workspace_size(void* handle, int64_t m, size_t* bytes) {
-    return done(static_cast<sg::SparseGemm24*>(handle)->workspace_size(m, bytes));
+// config: cuSPARSELt's kernel configuration, -1 its default (sg::SparseGemm24).
+ES_CAPI int es_sparse_gemm_workspace_size(void* handle, int64_t m, int config, size_t* bytes) {
+    return done(static_cast<sg::SparseGemm24*>(handle)->workspace_size(m, bytes, config));
 }
 
-ES_CAPI int es_sparse_gemm_run(void* handle, void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes, void* stream) {
-    return done(static_cast<sg::SparseGemm24*>(handle)->run(x, y, m, workspace, workspace_bytes, static_cast<cudaStream_t>(stream)));
+ES_CAPI int es_sparse_gemm_run(void* handle, void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes,
+    int config, void* stream) {
+    return done(static_cast<sg::SparseGemm24*>(handle)->run(x, y, m, workspace, workspace_bytes,
+        static_cast<cudaStream_t>(stream), config));
 }
 
-ES_CAPI int es_sparse_gemm_algorithm_count(void* handle, int64_t m, int* max_id) {
-    return done(static_cast<sg::SparseGemm24*>(handle)->algorithm_count(m, max_id));
-}
-
-ES_CAPI int es_sparse_gemm_set_algorithm(void* handle, int64_t m, int config_id, size_t* workspace) {
-    return done(static_cast<sg::SparseGemm24*>(handle)->set_algorithm(m, config_id, workspace));
+ES_CAPI int es_sparse_gemm_algorithm_count(void* handle, int64_t m, int* count) {
+    return done(static_cast<sg::SparseGemm24*>(handle)->algorithm_count(m, count));
 }
 
 ES_CAPI void es_sparse_gemm_destroy(void* handle) { delete static_cast<sg::SparseGemm24*>(handle); }

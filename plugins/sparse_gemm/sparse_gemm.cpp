@@ -35,10 +35,9 @@ Status SparseGemm24::create_from_compressed(void const*, size_t, cudaStream_t, s
     return unavailable();
 }
 Status SparseGemm24::export_compressed(std::vector<uint8_t>*, cudaStream_t) const { return unavailable(); }
-Status SparseGemm24::workspace_size(int64_t, size_t*) { return unavailable(); }
-Status SparseGemm24::run(void const*, void*, int64_t, void*, size_t, cudaStream_t) { return unavailable(); }
+Status SparseGemm24::workspace_size(int64_t, size_t*, int) { return unavailable(); }
+Status SparseGemm24::run(void const*, void*, int64_t, void*, size_t, cudaStream_t, int) { return unavailable(); }
 Status SparseGemm24::algorithm_count(int64_t, int*) { return unavailable(); }
-Status SparseGemm24::set_algorithm(int64_t, int, size_t*) { return unavailable(); }
 DType SparseGemm24::dtype() const { return DType::kFloat16; }
 int64_t SparseGemm24::n() const { return 0; }
 int64_t SparseGemm24::k() const { return 0; }
@@ -145,7 +144,7 @@ struct SparseGemm24::Impl {
     void* compressed = nullptr;
     size_t compressed_size = 0;
     std::mutex mutex;
-    std::map<int64_t, std::unique_ptr<Plan>> plans;
+    std::map<std::pair<int64_t, int>, std::unique_ptr<Plan>> plans;  // by (M, config)
 
     ~Impl() {
         plans.clear();
@@ -198,8 +197,19 @@ struct SparseGemm24::Impl {
         if (st == CUSPARSE_STATUS_SUCCESS)
             st = cusparseLtMatmulAlgSelectionInit(&handle, &p->alg, &p->matmul, CUSPARSELT_MATMUL_ALG_DEFAULT);
         if (st == CUSPARSE_STATUS_SUCCESS && config_id >= 0) {
-            st = cusparseLtMatmulAlgSetAttribute(
-                &handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &config_id, sizeof(config_id));
+            int count = 0;
+            st = cusparseLtMatmulAlgGetAttribute(
+                &handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, &count, sizeof(count));
+            if (st == CUSPARSE_STATUS_SUCCESS && config_id >= count) {
+                cusparseLtMatmulAlgSelectionDestroy(&p->alg);
+                cusparseLtMatDescriptorDestroy(&p->mat_b);
+                cusparseLtMatDescriptorDestroy(&p->mat_c);
+                return Status::Error("sparse gemm: config " + std::to_string(config_id) + " outside [0, " +
+                                     std::to_string(count) + ") for M=" + std::to_string(m_plan));
+            }
+            if (st == CUSPARSE_STATUS_SUCCESS)
+                st = cusparseLtMatmulAlgSetAttribute(
+                    &handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_ID, &config_id, sizeof(config_id));
             if (st != CUSPARSE_STATUS_SUCCESS) cusparseLtMatmulAlgSelectionDestroy(&p->alg);
         }
         if (st == CUSPARSE_STATUS_SUCCESS) {
@@ -216,25 +226,26 @@ struct SparseGemm24::Impl {
         return Status::Ok();
     }
 
-    // The cached plan for M: exact M if cuSPARSELt takes it, else M rounded up to kPadM.
-    Status plan_for(int64_t m, Plan** out) {
+    // The cached plan for (M, config): exact M if cuSPARSELt takes it, else M rounded up to kPadM.
+    Status plan_for(int64_t m, int config, Plan** out) {
+        if (config < -1) return Status::Error("sparse gemm: config " + std::to_string(config) + " is not an id");
         std::lock_guard<std::mutex> lock(mutex);
-        auto it = plans.find(m);
+        auto it = plans.find({m, config});
         if (it != plans.end()) {
             *out = it->second.get();
             return Status::Ok();
         }
         auto p = std::make_unique<Plan>();
-        Status st = make_plan(m, p.get());
+        Status st = make_plan(m, p.get(), config);
         if (!st.ok && m % kPadM != 0) {
             p = std::make_unique<Plan>();
-            ES_RETURN_IF_ERROR(make_plan((m + kPadM - 1) / kPadM * kPadM, p.get()));
+            ES_RETURN_IF_ERROR(make_plan((m + kPadM - 1) / kPadM * kPadM, p.get(), config));
             p->padded = true;
         } else if (!st.ok) {
             return st;
         }
         *out = p.get();
-        plans.emplace(m, std::move(p));
+        plans.emplace(std::make_pair(m, config), std::move(p));
         return Status::Ok();
     }
 
@@ -266,15 +277,16 @@ struct SparseGemm24::Impl {
         return Status::Ok();
     }
 
-    // The plan for M with its buffers bound: what one matmul (run, or tune's search) needs.
+    // The plan for (M, config) with its buffers bound: what one matmul needs.
     struct Bound {
         Plan* plan = nullptr;
         void const* x = nullptr;
         void* y = nullptr;
         void* lt_ws = nullptr;
     };
-    Status prepare(int64_t m, void const* x, void* y, void* ws, size_t ws_bytes, cudaStream_t stream, Bound* out) {
-        ES_RETURN_IF_ERROR(plan_for(m, &out->plan));
+    Status prepare(int64_t m, int config, void const* x, void* y, void* ws, size_t ws_bytes, cudaStream_t stream,
+        Bound* out) {
+        ES_RETURN_IF_ERROR(plan_for(m, config, &out->plan));
         return bind(*out->plan, x, y, m, ws, ws_bytes, stream, &out->x, &out->y, &out->lt_ws);
     }
 
@@ -361,55 +373,35 @@ Status SparseGemm24::export_compressed(std::vector<uint8_t>* blob, cudaStream_t 
     return Status::Ok();
 }
 
-Status SparseGemm24::workspace_size(int64_t m, size_t* bytes) {
+Status SparseGemm24::workspace_size(int64_t m, size_t* bytes, int config) {
     if (m <= 0) {
         *bytes = 0;
         return Status::Ok();
     }
     Plan* p = nullptr;
-    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
+    ES_RETURN_IF_ERROR(impl_->plan_for(m, config, &p));
     *bytes = impl_->total_workspace(*p);
     return Status::Ok();
 }
 
-Status SparseGemm24::run(void const* x, void* y, int64_t m, void* ws, size_t ws_bytes, cudaStream_t stream) {
+Status SparseGemm24::run(void const* x, void* y, int64_t m, void* ws, size_t ws_bytes, cudaStream_t stream, int config) {
     if (m <= 0) return Status::Ok();
     Impl::Bound b;
-    ES_RETURN_IF_ERROR(impl_->prepare(m, x, y, ws, ws_bytes, stream, &b));
+    ES_RETURN_IF_ERROR(impl_->prepare(m, config, x, y, ws, ws_bytes, stream, &b));
     const float alpha = 1.f, beta = 0.f;
     ES_RETURN_IF_LT_ERROR(cusparseLtMatmul(
         &impl_->handle, &b.plan->plan, &alpha, impl_->compressed, b.x, &beta, b.y, b.y, b.lt_ws, &stream, 1));
     return impl_->finish(*b.plan, b.y, y, m, stream);
 }
 
-Status SparseGemm24::algorithm_count(int64_t m, int* max_id) {
+Status SparseGemm24::algorithm_count(int64_t m, int* count) {
     if (m <= 0) return Status::Error("sparse gemm: M must be positive");
     Plan* p = nullptr;
-    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
+    ES_RETURN_IF_ERROR(impl_->plan_for(m, -1, &p));
     std::lock_guard<std::mutex> lock(impl_->mutex);
+    // CONFIG_MAX_ID is one past the last id: on an H100 (cuSPARSELt 0.8) it read 27 and id 27 was refused.
     ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgGetAttribute(
-        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, max_id, sizeof(*max_id)));
-    return Status::Ok();
-}
-
-Status SparseGemm24::set_algorithm(int64_t m, int config_id, size_t* workspace) {
-    if (m <= 0) return Status::Error("sparse gemm: M must be positive");
-    Plan* p = nullptr;
-    ES_RETURN_IF_ERROR(impl_->plan_for(m, &p));
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    int max_id = 0;
-    ES_RETURN_IF_LT_ERROR(cusparseLtMatmulAlgGetAttribute(
-        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, &max_id, sizeof(max_id)));
-    if (config_id < 0 || config_id > max_id)
-        return Status::Error("sparse gemm: config " + std::to_string(config_id) + " outside [0, " +
-                             std::to_string(max_id) + "] for M=" + std::to_string(m));
-    // A new plan with that selection replaces the old one (re-initializing a live plan in place
-    // crashed cuSPARSELt 0.8 on an H100); on failure the old plan stays.
-    auto fresh = std::make_unique<Plan>();
-    ES_RETURN_IF_ERROR(impl_->make_plan(p->m_plan, fresh.get(), config_id));
-    fresh->padded = p->padded;
-    *workspace = impl_->total_workspace(*fresh);
-    impl_->plans[m] = std::move(fresh);
+        &impl_->handle, &p->alg, CUSPARSELT_MATMUL_ALG_CONFIG_MAX_ID, count, sizeof(*count)));
     return Status::Ok();
 }
 

@@ -66,17 +66,18 @@ public:
     // Serialized compressed weight (a small header + cuSPARSELt's compressed matrix), host bytes.
     Status export_compressed(std::vector<uint8_t>* blob, cudaStream_t stream) const;
 
+    // `config`: cuSPARSELt's kernel configuration, -1 for its default selection, else an id in
+    // [0, algorithm_count). Plans are cached per (M, config). Who picks one times the choices: the
+    // TensorRT plugin offers them as tactics (TensorRT times them at build), the benchmark tries each
+    // in a child process first. (cusparseLtMatmulSearch broke the CUDA context on an H200; split-K
+    // was refused with CUSPARSE_STATUS_INVALID_VALUE on an H100, so neither is used.)
     // Workspace bytes run() needs for this M (plan workspace, plus staging when M must be padded).
-    Status workspace_size(int64_t m, size_t* bytes);
+    Status workspace_size(int64_t m, size_t* bytes, int config = -1);
     // Y[M, N] = X[M, K] · Wᵀ on `stream`.
-    Status run(void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-    // cuSPARSELt's kernel configurations for this M's plan: ids 0 .. *max_id (CONFIG_MAX_ID).
-    Status algorithm_count(int64_t m, int* max_id);
-    // Make this M's plan use kernel configuration `config_id`; *workspace gets the bytes run() then
-    // needs. The caller times the choices (tuning lives in Python, where a configuration that breaks
-    // the CUDA context can be tried in a child process first; cusparseLtMatmulSearch itself did break
-    // it on an H200). Split-K was refused (CUSPARSE_STATUS_INVALID_VALUE) on an H100, so it is not offered.
-    Status set_algorithm(int64_t m, int config_id, size_t* workspace);
+    Status run(void const* x, void* y, int64_t m, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+        int config = -1);
+    // How many kernel configurations cuSPARSELt has for this M's product (ids 0 .. count - 1).
+    Status algorithm_count(int64_t m, int* count);
 
     DType dtype() const;
     int64_t n() const;

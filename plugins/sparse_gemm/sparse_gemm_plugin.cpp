@@ -31,6 +31,7 @@ struct SparseGemmState {
     std::vector<uint16_t> dense;       // build phase: W [N, K] as given (validated 2:4)
     std::vector<uint8_t> compressed;   // runtime phase, and after serialization
     int64_t workspace_bytes = 0;       // bound computed at build time, serialized
+    int64_t m_opt = 256;               // the profile's opt M (build phase): where tactics are counted
     std::mutex mutex;
     std::unique_ptr<sg::SparseGemm24> gemm;
 
@@ -61,7 +62,19 @@ IPluginCapability* SparseGemm24Plugin::getCapabilityInterface(PluginCapabilityTy
     return nullptr;
 }
 
-IPluginV3* SparseGemm24Plugin::clone() noexcept { return new (std::nothrow) SparseGemm24Plugin(state_); }
+IPluginV3* SparseGemm24Plugin::clone() noexcept {
+    auto* copy = new (std::nothrow) SparseGemm24Plugin(state_);
+    if (copy != nullptr) copy->tactic_ = tactic_;
+    return copy;
+}
+
+namespace {
+int64_t rows_of(Dims const& d) {  // M: the product of every dimension but the last (>= 1)
+    int64_t m = 1;
+    for (int i = 0; i < d.nbDims - 1; ++i) m *= std::max<int64_t>(d.d[i], 1);
+    return m;
+}
+}  // namespace
 
 char const* SparseGemm24Plugin::getPluginName() const noexcept { return kName; }
 char const* SparseGemm24Plugin::getPluginVersion() const noexcept { return kVersion; }
@@ -105,6 +118,32 @@ int32_t SparseGemm24Plugin::configurePlugin(
         log_error(std::string("SparseGemm24: input type must match the weight's (") + dtypeName(state_->dtype) + ")");
         return -1;
     }
+    state_->m_opt = rows_of(in[0].opt);
+    return 0;
+}
+
+int32_t SparseGemm24Plugin::getNbTactics() noexcept {
+    Status st = state_->ensure_gemm(nullptr);
+    int count = 0;
+    if (st.ok) st = state_->gemm->algorithm_count(state_->m_opt, &count);
+    if (!st.ok) {
+        log_error("SparseGemm24: " + st.message);
+        return 0;  // the default selection only
+    }
+    return count;
+}
+
+int32_t SparseGemm24Plugin::getValidTactics(int32_t* tactics, int32_t nbTactics) noexcept {
+    for (int32_t i = 0; i < nbTactics; ++i) tactics[i] = i + 1;  // configuration i; 0 is TensorRT's default
+    return 0;
+}
+
+int32_t SparseGemm24Plugin::setTactic(int32_t tactic) noexcept {
+    if (tactic < 0) {
+        log_error("SparseGemm24: tactic " + std::to_string(tactic) + " is not one this plugin offered");
+        return -1;
+    }
+    tactic_ = tactic;
     return 0;
 }
 
@@ -116,14 +155,17 @@ size_t SparseGemm24Plugin::getWorkspaceSize(
         log_error("SparseGemm24: " + st.message);
         return 0;
     }
-    Dims const& mx = inputs[0].max;
-    int64_t m_max = 1;
-    for (int i = 0; i < mx.nbDims - 1; ++i) m_max *= std::max<int64_t>(mx.d[i], 1);
-    // Plans differ per M; take the largest need over powers of two up to the maximum and the maximum.
+    const int64_t m_max = rows_of(inputs[0].max);
+    int count = 0;
+    if (!state_->gemm->algorithm_count(m_max, &count).ok) count = 0;
+    // Plans differ per M and tactic; take the largest need over powers of two up to the maximum and
+    // the maximum, for the default selection and every configuration.
     size_t bound = 0;
     for (int64_t m = 1;; m = std::min(m * 2, m_max)) {
-        size_t bytes = 0;
-        if (state_->gemm->workspace_size(m, &bytes).ok) bound = std::max(bound, bytes);
+        for (int config = -1; config < count; ++config) {
+            size_t bytes = 0;
+            if (state_->gemm->workspace_size(m, &bytes, config).ok) bound = std::max(bound, bytes);
+        }
         if (m == m_max) break;
     }
     state_->workspace_bytes = std::max<int64_t>(state_->workspace_bytes, static_cast<int64_t>(bound));
@@ -145,11 +187,18 @@ int32_t SparseGemm24Plugin::enqueue(PluginTensorDesc const* inputDesc, PluginTen
     int64_t m = 1;
     Dims const& d = inputDesc[0].dims;
     for (int i = 0; i < d.nbDims - 1; ++i) m *= d.d[i];
+    int config = tactic_ - 1;  // -1: the default selection
     size_t need = 0;
-    if (st.ok) st = state_->gemm->workspace_size(m, &need);
+    if (st.ok) {
+        st = state_->gemm->workspace_size(m, &need, config);
+        if (!st.ok && config >= 0) {  // the tactic was timed at the opt M; this M has no such plan
+            config = -1;
+            st = state_->gemm->workspace_size(m, &need, config);
+        }
+    }
     if (st.ok && static_cast<int64_t>(need) > state_->workspace_bytes)
         st = Status::Error("workspace for M=" + std::to_string(m) + " exceeds the bound sized at build time");
-    if (st.ok) st = state_->gemm->run(inputs[0], outputs[0], m, workspace, need, stream);
+    if (st.ok) st = state_->gemm->run(inputs[0], outputs[0], m, workspace, need, stream, config);
     if (!st.ok) {
         log_error("SparseGemm24: " + st.message);
         return -1;

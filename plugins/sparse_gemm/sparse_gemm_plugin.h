@@ -9,6 +9,9 @@
 // The creator validates the 2:4 pattern on the host and rejects a weight that breaks it (the error
 // names the first bad group). W is compressed once, on the GPU, when the engine is built; the engine
 // then carries only the compressed weight, tied to the cuSPARSELt version and SM that made it.
+// Tactics: cuSPARSELt's kernel configurations, tactic c + 1 for configuration c (0: its default
+// selection); TensorRT times them at the profile's opt shape and keeps the fastest in the engine
+// (on an H100 the best configuration beat the default by up to 1.9x at M = 2048).
 #pragma once
 
 #include <NvInferRuntime.h>
@@ -55,6 +58,10 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    int32_t getNbTactics() noexcept override;
+    int32_t getValidTactics(int32_t* tactics, int32_t nbTactics) noexcept override;
+
+    int32_t setTactic(int32_t tactic) noexcept override;
 
     int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
         int32_t nbOutputs) noexcept override;
@@ -65,6 +72,7 @@ public:
 
 private:
     std::shared_ptr<SparseGemmState> state_;
+    int32_t tactic_ = 0;  // 0: cuSPARSELt's default selection; c + 1: kernel configuration c
     std::vector<nvinfer1::PluginField> serialized_;
     nvinfer1::PluginFieldCollection serialized_fc_{};
 };

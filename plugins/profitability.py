@@ -43,8 +43,13 @@ def load_table(path: Path | str | None = None) -> dict:
 
 
 def sparse_is_profitable(k: int, n: int, m: int, table: dict | None = None) -> bool:
-    """True when the nearest measured shape (log-distance in K and N) wins from this M on."""
+    """True when the nearest measured shape (log-distance in K and N) wins from this M on. A product
+    with under a quarter of the smallest measured K·N is never called profitable: the table says
+    nothing about it, and 2:4 sparsity only loses more as products shrink."""
     table = table or load_table()
+    sizes = [int(a) * int(b) for a, b in (key.split("x") for key in table["shapes"])]
+    if not sizes or k * n * 4 < min(sizes):
+        return False
     best, best_d = None, math.inf
     for key, entry in table["shapes"].items():
         tk, tn = (int(v) for v in key.split("x"))

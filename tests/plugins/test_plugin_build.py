@@ -214,3 +214,13 @@ def test_profitability_rule_reads_the_measured_table():
         if entry["min_m"] is not None:
             assert prof.sparse_is_profitable(k, n, entry["min_m"], table)
             assert not prof.sparse_is_profitable(k, n, 1, table)
+
+
+def test_profitability_rule_does_not_extrapolate_to_much_smaller_products():
+    from plugin_modules import load
+
+    prof = load("profitability")
+    table = {"device": "t", "threshold": 1.05, "shapes": {"2048x2048": {"speedup_by_m": {"256": 1.5}, "min_m": 256}}}
+    assert prof.sparse_is_profitable(2048, 2048, 256, table)
+    assert prof.sparse_is_profitable(1024, 2048, 256, table)      # half the product: nearest shape decides
+    assert not prof.sparse_is_profitable(576, 1536, 4096, table)  # SmolLM2's MLP: far below what was measured

@@ -168,6 +168,26 @@ def test_default_splits_leave_no_split_empty(kernels_lib, context):
     assert flag == 0 and err < 2e-3, err
 
 
+def _check_graph_replays(torch, steps, outs, want, replays):
+    """Capture steps() in a CUDA graph (after a warm-up on a side stream) and replay it: each replay,
+    with the outputs poisoned with NaN first, must write outs[i] == want[i % 2] bit for bit."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        steps()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    for _ in range(replays):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(len(outs)):
+            assert torch.equal(outs[i], want[i % 2]), i
+
+
 def test_two_kernel_merge_back_to_back_in_a_graph(kernels_lib):
     """Calls that share one workspace, back to back in a CUDA graph (each split kernel a programmatic
     dependent of the previous call's reduce kernel, which lets it be scheduled early): alternating
@@ -185,22 +205,11 @@ def test_two_kernel_merge_back_to_back_in_a_graph(kernels_lib):
         op(qs[i], k_cache, v_cache, tables, ctx, outs[i])
         assert torch.equal(outs[i], want[i % 2])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        op(q, k_cache, v_cache, tables, ctx, outs[0])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def steps():
         for i in range(4):
             op(qs[i], k_cache, v_cache, tables, ctx, outs[i])
-    for _ in range(3):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i in range(4):
-            assert torch.equal(outs[i], want[i % 2]), i
+
+    _check_graph_replays(torch, steps, outs, want, 3)
     ref = reference.paged_attention(q2, k_cache, v_cache, tables, ctx)
     assert (outs[1].float() - ref).abs().max().item() < 2e-3
     assert int(op.error_flag.item()) == 0
@@ -250,21 +259,7 @@ def test_prefetch_past_reads_the_new_positions_after_the_wait(kernels_lib, query
     torch.cuda.synchronize()
     for i in range(4):
         assert torch.equal(outs[i], want[i % 2]), i
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        steps()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        steps()
-    for _ in range(5):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i in range(4):
-            assert torch.equal(outs[i], want[i % 2]), i
+    _check_graph_replays(torch, steps, outs, want, 5)
     assert int(flag.item()) == 0 and int(fetch.error_flag.item()) == 0
 
 

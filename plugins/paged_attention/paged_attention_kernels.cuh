@@ -11,7 +11,8 @@
 //   end: merge the 4 warps' (m, l, O) in smem ─▶ out (1 split) | partial out + lse (n splits)
 //   split merge, out = Σ_i 2^(lse_i - M) · o_i / Σ_i 2^(lse_i - M), either
 //     kLastBlock: threadfence + atomicAdd on the (sequence, KV head, row block) counter; the block
-//       that sees num_splits - 1 resets it and merges all splits (merge_splits, split order), or
+//       that sees num_splits - 1 resets it and merges all splits (merge_splits: a warp per row,
+//       split order), or
 //     kSeparateKernel: the reduce kernel (sm_90+: a programmatic dependent of the split kernel).
 //   sm_90+: the split kernel starts with griddepcontrol.wait, so it may itself be launched as a
 //   programmatic dependent of whatever kernel precedes it (its launch overlaps that kernel's tail).
@@ -45,138 +46,99 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int D>
 __host__ __device__ constexpr int smem_stride() { return D + 8; }
 
-// The last-block merge (merge_splits) reuses the K/V stages: float accumulators [kMergeSlots][16][D]
-// then weights [16][<= kMaxSplits].
-template <int D>
-__host__ __device__ constexpr int merge_slots() { return kThreads / (D / 4); }  // (row, split) pairs per step
-
-template <int D>
-__host__ __device__ constexpr size_t merge_bytes() {
-    return (static_cast<size_t>(merge_slots<D>()) * kRowsPerCta * D + static_cast<size_t>(kRowsPerCta) * kMaxSplits) *
-           sizeof(float);
-}
-
 template <typename T, int D>
 __host__ __device__ constexpr size_t smem_bytes() {
-    const size_t main_loop = static_cast<size_t>(kRowsPerCta + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
-    const size_t merge = static_cast<size_t>(kRowsPerCta) * smem_stride<D>() * sizeof(T) + merge_bytes<D>();
-    return main_loop > merge ? main_loop : merge;
+    return static_cast<size_t>(kRowsPerCta + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+}
+
+// Split merge, shared by the reduce kernel and the last-block path. The splits i = first, first +
+// stride, ... of one output row, merged online by one warp in split order: m (running max of the
+// log-sum-exps, log2 domain), sum = Σ 2^(lse_i - m), acc[v] = Σ 2^(lse_i - m) · o_i[lane * V + v].
+// A warp loads the lse and partial outputs of kChunk of its splits together (one L2 round trip per
+// chunk; the partials were written by other SMs: read through L2). Empty splits (lse = -inf)
+// weigh 0; a NaN lse (bad data) sets *any_nan. Kept small on purpose: the earlier last-block merge,
+// fully unrolled over 32 float4 loads a thread, ran ~25 us per call on an H100 (ncu: warps stalled
+// fetching instructions, i.e. instruction-cache misses of one block running a long cold code path).
+template <int D>
+struct MergeVec {
+    static constexpr int V = D / 32;  // floats per lane
+    static_assert(V == 2 || V == 4, "the split merge handles D = 64 or 128");
+    using Type = typename std::conditional<V == 4, float4, float2>::type;
+};
+
+template <int D, int kChunk>
+__device__ __forceinline__ void merge_split_range(Params const& p, size_t row, int num_splits, int first, int stride,
+    int lane, float& m, float& sum, float (&acc)[MergeVec<D>::V], int& any_nan) {
+    constexpr int V = MergeVec<D>::V;
+    using Vec = typename MergeVec<D>::Type;
+    float const* lse = p.partial_lse + row * num_splits;
+    float const* po = p.partial_out + row * num_splits * D + lane * V;
+    m = -INFINITY;
+    sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = 0.f;
+    any_nan = 0;
+    for (int base = first; base < num_splits; base += stride * kChunk) {
+        float x[kChunk];
+        Vec o[kChunk];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+            const int i = base + u * stride;
+            if (i < num_splits) {
+                x[u] = __ldcg(lse + i);
+                o[u] = __ldcg(reinterpret_cast<Vec const*>(po + static_cast<size_t>(i) * D));
+            } else {
+                x[u] = -INFINITY;  // weight 0
+            }
+        }
+        float cm = m;
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+            any_nan |= isnan(x[u]);
+            cm = fmaxf(cm, x[u]);  // fmaxf ignores a NaN; the flag poisons the row
+        }
+        if (cm == -INFINITY) continue;  // only empty splits so far
+        const float alpha = exp2f(m - cm);  // 0 while m = -inf
+        sum *= alpha;
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[v] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+            if (!(x[u] > -INFINITY)) continue;  // empty split, padding, or NaN (flagged)
+            const float w = exp2f(x[u] - cm);
+            sum += w;
+            acc[0] += w * o[u].x;
+            acc[1] += w * o[u].y;
+            if constexpr (V == 4) {
+                acc[2] += w * o[u].z;
+                acc[3] += w * o[u].w;
+            }
+        }
+        m = cm;
+    }
 }
 
 // Last block of a (sequence, KV head, row block): merge the num_splits partials of its nrows rows
-// into out. Weights w_i = 2^(lse_i - M) / Σ_j 2^(lse_j - M); every sum runs in a fixed order (split
-// order per slot, then slot order), so the result does not depend on which block came last. The
-// partials were written by other SMs: read through L2 (__ldcg). A NaN lse (bad data) poisons the row.
+// into out, a warp per row, each split merged in split order (the result does not depend on which
+// block came last); 16 splits a round trip.
 template <typename T, int D>
-__device__ __forceinline__ void merge_splits(Params const& p, float* buf, int const* s_out_row, float* s_inv,
-    int num_splits, int nrows) {
-    constexpr int kLanesPerRow = D / 4;        // one float4 of a partial row per lane
-    constexpr int kSlots = merge_slots<D>();   // 4 (D = 128) or 8 (D = 64)
-    constexpr int kUnroll = 128 / kSlots;      // 16-byte loads in flight per thread (128 pairs per step)
-    const int S = num_splits;
+__device__ __forceinline__ void merge_splits(Params const& p, int const* s_out_row, int num_splits, int nrows) {
+    constexpr int V = MergeVec<D>::V;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float* s_acc = buf;                              // [kSlots][kRowsPerCta][D]
-    float* s_w = buf + kSlots * kRowsPerCta * D;     // [nrows][S]
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    const int npairs = nrows * S;                    // (row, split) pairs, row-major
-    const int d4 = lane % kLanesPerRow;
-    const int slot = threadIdx.x / kLanesPerRow;     // takes pairs slot, slot + kSlots, ...
-
-    // kUnroll independent partial-output loads of the pairs base, base + kSlots, ... (-1: none).
-    float4 v[kUnroll];
-    int pair[kUnroll];
-    auto load = [&](int base) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int pi = base + u * kSlots;
-            pair[u] = -1;
-            v[u] = zero;
-            if (pi < npairs) {
-                const int r = pi / S, sp = pi - r * S;
-                pair[u] = pi;
-                v[u] = __ldcg(reinterpret_cast<float4 const*>(
-                                  p.partial_out + (static_cast<size_t>(s_out_row[r]) * S + sp) * D) + d4);
-            }
-        }
-    };
-    // The first batch is in flight while the weights are computed (steps 1-2).
-    load(slot);
-
-    // 1. Every (row, split) log-sum-exp; zero the accumulators.
-    for (int i = threadIdx.x; i < npairs; i += kThreads) {
-        const int r = i / S, sp = i - r * S;
-        s_w[i] = __ldcg(p.partial_lse + static_cast<size_t>(s_out_row[r]) * S + sp);
-    }
-    for (int i = threadIdx.x; i < kSlots * kRowsPerCta * D / 4; i += kThreads) reinterpret_cast<float4*>(s_acc)[i] = zero;
-    __syncthreads();
-
-    // 2. Per row (a warp each): max, weights (0 for empty splits, lse = -inf), 1 / their sum.
     for (int r = warp; r < nrows; r += kWarps) {
-        float* w = s_w + r * S;
-        float mx = -INFINITY;
-        int nan = 0;
-        for (int sp = lane; sp < S; sp += 32) {
-            const float x = w[sp];
-            nan |= isnan(x);
-            mx = fmaxf(mx, x);
-        }
+        const size_t row = static_cast<size_t>(s_out_row[r]);
+        float m, sum, acc[V];
+        int any_nan;
+        merge_split_range<D, 16>(p, row, num_splits, 0, 1, lane, m, sum, acc, any_nan);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;  // all splits empty: zeros
+        const bool nan = __any_sync(0xffffffff, any_nan);
+        T* dst = static_cast<T*>(p.out) + row * D + lane * V;
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-        nan = __any_sync(0xffffffff, nan);
-        float sum = 0.f;
-        for (int sp = lane; sp < S; sp += 32) {
-            const float e = (nan || mx == -INFINITY) ? 0.f : exp2f(w[sp] - mx);
-            w[sp] = e;
-            sum += e;
+        for (int v = 0; v < V; v += 2) {
+            const float a = nan ? __int_as_float(0x7fc00000) : acc[v] * inv;
+            const float c = nan ? __int_as_float(0x7fc00000) : acc[v + 1] * inv;
+            *reinterpret_cast<uint32_t*>(dst + v) = ptx::pack2<T>(a, c);
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
-        if (lane == 0) s_inv[r] = nan ? __int_as_float(0x7fc00000) : (sum > 0.f ? 1.f / sum : 0.f);
-    }
-    __syncthreads();
-
-    // 3. Σ w_i o_i per (slot, row). A slot's pairs come row by row, so each (slot, row) sum is
-    //    flushed to shared memory once, its splits added in order.
-    float4 acc = zero;
-    int cur = 0;
-    auto flush = [&]() {
-        float4* dst = reinterpret_cast<float4*>(s_acc + (slot * kRowsPerCta + cur) * D) + d4;
-        float4 a = *dst;
-        a.x += acc.x; a.y += acc.y; a.z += acc.z; a.w += acc.w;
-        *dst = a;
-    };
-    for (int base = slot; base < npairs; base += kUnroll * kSlots) {
-        if (base != slot) load(base);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            if (pair[u] < 0) continue;
-            const int r = pair[u] / S;
-            if (r != cur) {
-                flush();
-                acc = zero;
-                cur = r;
-            }
-            const float w = s_w[pair[u]];
-            acc.x += w * v[u].x; acc.y += w * v[u].y; acc.z += w * v[u].z; acc.w += w * v[u].w;
-        }
-    }
-    flush();
-    __syncthreads();
-
-    // 4. out = (Σ over slots, in slot order) · 1/Σw.
-    for (int i = threadIdx.x; i < nrows * kLanesPerRow; i += kThreads) {
-        const int r = i / kLanesPerRow, c = i % kLanesPerRow;
-        float4 a = zero;
-#pragma unroll
-        for (int q = 0; q < kSlots; ++q) {
-            const float4 v = reinterpret_cast<float4 const*>(s_acc + (q * kRowsPerCta + r) * D)[c];
-            a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
-        }
-        const float inv = s_inv[r];
-        uint2 packed;
-        packed.x = ptx::pack2<T>(a.x * inv, a.y * inv);
-        packed.y = ptx::pack2<T>(a.z * inv, a.w * inv);
-        *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + static_cast<size_t>(s_out_row[r]) * D + c * 4) = packed;
     }
 }
 
@@ -516,28 +478,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     }
     __syncthreads();
     if (!s_last) return;
-    merge_splits<T, D>(p, reinterpret_cast<float*>(sK), s_out_row, s_row_sum, num_splits,
-        min(kRowsPerCta, rows_total - row0));
+    merge_splits<T, D>(p, s_out_row, num_splits, min(kRowsPerCta, rows_total - row0));
 }
 
 // Merge the splits of one output row (b, s, h) per block. The kReduceWarps warps take every
-// kReduceWarps-th split; a warp issues the lse and partial-output loads of up to kReduceChunk of its
-// splits together, so up to kReduceWarps * kReduceChunk (32) splits cost one L2 round trip (the
-// earlier loop read the lse first, then the partials four splits at a time: ~4 round trips at 32
-// splits, most of the batch-1 reduce time). Each warp merges its splits online (running max, fixed
-// order), then the warps are merged in warp order through shared memory: deterministic.
+// kReduceWarps-th split (merge_split_range: 8 splits' loads in flight a warp, so up to 32 splits
+// cost one L2 round trip; the earlier loop read the lse first, then the partials four splits at a
+// time: ~4 round trips at 32 splits, most of the batch-1 reduce time). Each warp merges its splits
+// online (running max, fixed order), then the warps are merged in warp order through shared memory:
+// deterministic.
 // 128 threads at <= 64 registers (launch bounds: 8 blocks/SM) so that, launched as a programmatic
 // dependent, its blocks fit beside two resident split-kernel blocks (D = 128: 2 x 128 x 224
 // registers of the 64K) and wait there for the split kernel instead of being scheduled after it.
 constexpr int kReduceWarps = 4;
 constexpr int kReduceThreads = kReduceWarps * 32;
-constexpr int kReduceChunk = 8;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kReduceThreads, 8) paged_attention_reduce_kernel(Params p, int num_rows, int num_splits) {
-    constexpr int V = D / 32;  // floats per lane
-    static_assert(V == 2 || V == 4, "reduce handles D = 64 or 128");
-    using Vec = typename std::conditional<V == 4, float4, float2>::type;
+    constexpr int V = MergeVec<D>::V;
     __shared__ float s_max[kReduceWarps];
     __shared__ float s_sum[kReduceWarps];
     __shared__ int s_nan[kReduceWarps];
@@ -552,54 +510,10 @@ __global__ void __launch_bounds__(kReduceThreads, 8) paged_attention_reduce_kern
     const int row = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= num_rows) return;  // the whole block (grid = num_rows)
-    float const* lse = p.partial_lse + static_cast<size_t>(row) * num_splits;
-    float const* po = p.partial_out + static_cast<size_t>(row) * num_splits * D + lane * V;
-
-    // The partials were written by the split kernel's blocks on other SMs: read them through L2.
-    float m = -INFINITY;  // running max of this warp's lse (log2 domain)
-    float sum = 0.f;      // Σ 2^(lse_i - m)
-    float acc[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[v] = 0.f;
-    int any_nan = 0;
-    for (int base = warp; base < num_splits; base += kReduceWarps * kReduceChunk) {
-        float x[kReduceChunk];
-        Vec o[kReduceChunk];
-#pragma unroll
-        for (int u = 0; u < kReduceChunk; ++u) {
-            const int i = base + u * kReduceWarps;
-            if (i < num_splits) {
-                x[u] = __ldcg(lse + i);
-                o[u] = __ldcg(reinterpret_cast<Vec const*>(po + static_cast<size_t>(i) * D));
-            } else {
-                x[u] = -INFINITY;  // weight 0
-            }
-        }
-        float cm = m;
-#pragma unroll
-        for (int u = 0; u < kReduceChunk; ++u) {
-            any_nan |= isnan(x[u]);
-            cm = fmaxf(cm, x[u]);  // fmaxf ignores a NaN; the flag poisons the row below
-        }
-        if (cm == -INFINITY) continue;  // only empty splits so far (lse = -inf: weight 0)
-        const float alpha = exp2f(m - cm);  // 0 while m = -inf
-        sum *= alpha;
-#pragma unroll
-        for (int v = 0; v < V; ++v) acc[v] *= alpha;
-#pragma unroll
-        for (int u = 0; u < kReduceChunk; ++u) {
-            if (!(x[u] > -INFINITY)) continue;  // empty split, padding, or NaN (flagged)
-            const float w = exp2f(x[u] - cm);
-            sum += w;
-            acc[0] += w * o[u].x;
-            acc[1] += w * o[u].y;
-            if constexpr (V == 4) {
-                acc[2] += w * o[u].z;
-                acc[3] += w * o[u].w;
-            }
-        }
-        m = cm;
-    }
+    // Warp w merges splits w, w + kReduceWarps, ...; then the warps are merged in warp order.
+    float m, sum, acc[V];
+    int any_nan;
+    merge_split_range<D, 8>(p, static_cast<size_t>(row), num_splits, warp, kReduceWarps, lane, m, sum, acc, any_nan);
     any_nan = __any_sync(0xffffffff, any_nan);  // uniform per warp already (every lane read the same lse)
 #pragma unroll
     for (int v = 0; v < V; ++v) s_acc[warp][lane * V + v] = acc[v];

@@ -164,8 +164,8 @@ int split_counters_needed(int batch, int query_len, int num_heads, int num_kv_he
 ReduceMode default_reduce_mode() {
     static ReduceMode const mode = [] {
         char const* env = std::getenv("ES_PAGED_ATTENTION_REDUCE");
-        // Two kernels by default: on an H200 the last-block merge was slower at every context (batch 1,
-        // 8k: 28.4 vs 14.2 us; benchmarks/plugins/results/h200_reduce_single_vs_two.json).
+        // Two kernels by default: the last-block merge measured ~1 us slower at batch 1 on an H100
+        // (8k: 15.5 vs 14.4 us; benchmarks/plugins/results/h100_session7_single_vs_two.json).
         return env != nullptr && std::strcmp(env, "single") == 0 ? ReduceMode::kLastBlock : ReduceMode::kSeparateKernel;
     }();
     return mode;

@@ -145,6 +145,9 @@ struct SparseGemm24::Impl {
     size_t compressed_size = 0;
     std::mutex mutex;
     std::map<std::pair<int64_t, int>, std::unique_ptr<Plan>> plans;  // by (M, config)
+    // (M, config) pairs cuSPARSELt refused, with why: asked again (the TensorRT plugin falls back to
+    // the default on every enqueue at such an M), the answer comes without another plan attempt.
+    std::map<std::pair<int64_t, int>, std::string> refused;
 
     ~Impl() {
         plans.clear();
@@ -235,13 +238,17 @@ struct SparseGemm24::Impl {
             *out = it->second.get();
             return Status::Ok();
         }
+        auto no = refused.find({m, config});
+        if (no != refused.end()) return Status::Error(no->second);
         auto p = std::make_unique<Plan>();
         Status st = make_plan(m, p.get(), config);
         if (!st.ok && m % kPadM != 0) {
             p = std::make_unique<Plan>();
-            ES_RETURN_IF_ERROR(make_plan((m + kPadM - 1) / kPadM * kPadM, p.get(), config));
+            st = make_plan((m + kPadM - 1) / kPadM * kPadM, p.get(), config);
             p->padded = true;
-        } else if (!st.ok) {
+        }
+        if (!st.ok) {
+            refused.emplace(std::make_pair(m, config), st.message);
             return st;
         }
         *out = p.get();

@@ -17,6 +17,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, void const* gmem, bool v
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 
+// The same copy, always all 16 bytes, to a shared-space address (__cvta_generic_to_shared once, by
+// the caller, instead of once per copy).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, void const* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

@@ -223,6 +223,18 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         ptx::cp_async_commit();
     }
 
+    // The block-table entries of tile `tile` of the split range [begin, end): its kPagesPerTile pages
+    // (a tile starts on a page: split ranges and the tile size are multiples of BS). Read ahead of the
+    // tile's copies (see the pipeline below), so no tile's table read sits between two data requests:
+    // before, each tile's copies waited for its own table read, one L2 round trip per tile in series.
+    constexpr int kPagesPerTile = kTileTokens / BS;
+    constexpr int kTokensPerIter = kThreads / kChunks;  // token rows one pass of the block covers
+    static_assert(BS % kTokensPerIter == 0, "a pass of the block must stay within one page");
+    auto read_pages = [&](int begin, int end, int tile, int (&pages)[kPagesPerTile]) {
+        const int t0 = begin + tile * kTileTokens;
+#pragma unroll
+        for (int j = 0; j < kPagesPerTile; ++j) pages[j] = t0 + j * BS < end ? __ldg(table + t0 / BS + j) : 0;
+    };
     const int ctx = p.context_lens[b];
     const bool bad_ctx = ctx < p.query_len || ctx > p.max_blocks_per_seq * BS;
     const int ctx_eff = bad_ctx ? 0 : ctx;
@@ -234,24 +246,54 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int num_tiles = t_end > t_begin ? (t_end - t_begin + kTileTokens - 1) / kTileTokens : 0;
     __syncthreads();
 
+    // The table entries of the prologue's tiles and of the first tile the loop issues, read together.
+    int pro_pages[kStages - 1][kPagesPerTile];
+    int next_pages[kPagesPerTile];
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) read_pages(t_begin, t_end, i, pro_pages[i]);
+    read_pages(t_begin, t_end, kStages - 1, next_pages);
+
     // Positions copied before the wait (prefetch) and after it: [t_begin, past_end) and [past_end, t_end).
     const int past_end = prefetch ? max(t_begin, min(t_end, ctx_eff - p.query_len)) : t_end;
 
     // Stage a tile: token rows in [lo, hi) are copied; with zero_tail, rows >= t_end are zero-filled
     // (masked anyway, but V must be finite: P = 0 times garbage could be NaN); other rows are left
-    // alone (a later load_tile call of the same stage fills them).
-    auto load_tile = [&](int tile, int stage, int lo, int hi, bool zero_tail) {
+    // alone (a later copy_tile call of the same stage fills them).
+    // A whole tile inside [lo, hi) (all but a split's ragged last tile and the prefetch's split at
+    // the new positions) takes a short path: the thread's page-relative offset is fixed, each page's
+    // base is computed once, and no row needs a mask. (The general path below spent ~55 instructions
+    // per 16-byte copy on masks and 64-bit offsets: most of the kernel's instructions at batch 1.)
+    const int tok0 = threadIdx.x / kChunks;  // this thread copies rows tok0 + i * kTokensPerIter ...
+    const int chunk = threadIdx.x % kChunks;  // ... 16-byte chunk `chunk` of each
+    const size_t page_elems = static_cast<size_t>(BS) * Hkv * D;
+    const int row_elems = Hkv * D;
+    const int thread_off = (tok0 * Hkv + kvh) * D + chunk * 8;  // in the page, row tok0
+    constexpr int kItersPerPage = BS / kTokensPerIter;
+    auto copy_tile = [&](int tile, int stage, int const (&pages)[kPagesPerTile], int lo, int hi, bool zero_tail) {
         const int t0 = t_begin + tile * kTileTokens;
         T* dk = sK + stage * kTileTokens * kStride;
         T* dv = sV + stage * kTileTokens * kStride;
         constexpr int kIters = kTileTokens * kChunks / kThreads;
-        // All page-table reads of the tile first (independent, in flight together; the cp.async asm
-        // below is a compiler barrier, so interleaving them would serialise the reads), then the copies.
-        int page[kIters];
+        if (t0 >= lo && t0 + kTileTokens <= hi) {  // uniform per block
+            const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(dk + tok0 * kStride + chunk * 8));
+            const uint32_t sv = static_cast<uint32_t>(__cvta_generic_to_shared(dv + tok0 * kStride + chunk * 8));
 #pragma unroll
-        for (int it = 0; it < kIters; ++it) {
-            const int t = t0 + (threadIdx.x + it * kThreads) / kChunks;
-            page[it] = t >= lo && t < hi ? __ldg(table + t / BS) : 0;
+            for (int j = 0; j < kPagesPerTile; ++j) {
+                int page = pages[j];
+                if (page < 0 || page >= p.num_blocks) {
+                    s_bad = 1;  // the output is poisoned: copy page 0 instead (any valid memory)
+                    page = 0;
+                }
+                T const* ks = k_cache + page * page_elems + thread_off;
+                T const* vs = v_cache + page * page_elems + thread_off;
+#pragma unroll
+                for (int r = 0; r < kItersPerPage; ++r) {
+                    const uint32_t row = (j * kItersPerPage + r) * kTokensPerIter * kStride * sizeof(T);
+                    ptx::cp_async_16(sk + row, ks + r * kTokensPerIter * row_elems);
+                    ptx::cp_async_16(sv + row, vs + r * kTokensPerIter * row_elems);
+                }
+            }
+            return;
         }
 #pragma unroll
         for (int it = 0; it < kIters; ++it) {
@@ -260,13 +302,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             const int t = t0 + tok;
             bool valid = t >= lo && t < hi;
             if (!valid && !(zero_tail && t >= t_end)) continue;
+            const int page = pages[it * kTokensPerIter / BS];  // compile-time index: stays in registers
             size_t off = 0;
             if (valid) {
-                if (page[it] < 0 || page[it] >= p.num_blocks) {
+                if (page < 0 || page >= p.num_blocks) {
                     s_bad = 1;  // every writer stores 1: the race is benign
                     valid = false;
                 } else {
-                    off = ((static_cast<size_t>(page[it]) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
+                    off = ((static_cast<size_t>(page) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
                 }
             }
             ptx::cp_async_16(dk + tok * kStride + c * 8, k_cache + off, valid);
@@ -297,11 +340,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     float l_run[2] = {0.f, 0.f};
 
     // Prologue: kStages - 1 tiles in flight; every step then issues one more and waits for the oldest.
+    // Their table entries (and the first loop tile's) were read together above; from then on each
+    // step reads the entries of the tile the next step issues.
     // With prefetch, only their past rows, before the wait; then one group with Q and the rest of
     // those tiles (the new positions), so tile 0 waits for one group more than the steady state.
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-        if (i < num_tiles) load_tile(i, i, t_begin, past_end, true);
+        if (i < num_tiles) copy_tile(i, i, pro_pages[i], t_begin, past_end, true);
         ptx::cp_async_commit();  // (empty when there is no such tile: the group count stays uniform)
     }
     if (prefetch) {
@@ -311,12 +356,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         load_query();
 #pragma unroll
         for (int i = 0; i < kStages - 1; ++i)
-            if (i < num_tiles && past_end < t_end) load_tile(i, i, past_end, t_end, false);
+            if (i < num_tiles && past_end < t_end) copy_tile(i, i, pro_pages[i], past_end, t_end, false);
         ptx::cp_async_commit();
     }
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int next = tile + kStages - 1;
-        if (next < num_tiles) load_tile(next, next % kStages, t_begin, t_end, true);
+        if (next < num_tiles) {
+            copy_tile(next, next % kStages, next_pages, t_begin, t_end, true);
+            read_pages(t_begin, t_end, next + 1, next_pages);  // in flight during this step's wait and math
+        }
         ptx::cp_async_commit();
         if (prefetch && tile == 0) {
             ptx::cp_async_wait<kStages - 2>();  // tiles 0 .. kStages-2 and the Q group

@@ -26,7 +26,7 @@ DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
 ALL_ARCHS = "80-real;86-real;87-real;89-real;90"
 
 FLOAT16, BFLOAT16 = 0, 1  # enginesmith::DType
-ABI_VERSION = 4  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
+ABI_VERSION = 5  # es_abi_version() of the library this binding matches (capi/enginesmith_kernels_capi.cpp)
 
 
 class KernelError(RuntimeError):
@@ -99,7 +99,7 @@ def lib() -> ctypes.CDLL:
         "es_paged_attention_check": (I, [I, I, I, I, I, I]),
         "es_paged_attention_plan": (I, [I] * 9 + [P, P]),
         "es_paged_attention_counters": (I, [I, I, I, I]),
-        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P, I, I, I, I, P]),
+        "es_paged_attention": (I, [P] * 7 + [SZ, P] + [I] * 9 + [F, I, P, I, I, I, I, P, P, P, P]),
         "es_write_kv": (I, [P] * 6 + [I] * 6 + [P]),
         "es_sparse_available": (I, []),
         "es_check_24_host": (I, [P, I64, I64]),
@@ -186,7 +186,10 @@ class PagedAttention:
     dependent_launch: None = the launcher's choice (on on sm_90), or a
     bool: launch the attention kernel as a programmatic dependent of the previous kernel.
     prefetch_past: request the past K/V (positions < context - Sq) before waiting for that kernel;
-    only when no kernel still running writes them, the tables or the lengths (pa::Params)."""
+    only when no kernel still running writes them, the tables or the lengths (pa::Params).
+    A call given new_key / new_value [B, Sq, Hkv, D] and slot_mapping [B, Sq] int32 does the fused KV
+    write: what write_kv followed by attention gives, in one kernel, when every slot is its token's
+    slot in the block table (anything else is flagged, not written; pa::Params)."""
 
     def __init__(self, query, k_cache, v_cache, block_tables, num_splits: int = 0, scale: float = 0.0,
                  reduce: str = "auto", dependent_launch: bool | None = None, prefetch_past: bool = False):
@@ -210,13 +213,23 @@ class PagedAttention:
         self.error_flag = torch.zeros(1, dtype=torch.int32, device=query.device)
         self.scale = scale
 
-    def __call__(self, query, k_cache, v_cache, block_tables, context_lens, out=None):
+    def __call__(self, query, k_cache, v_cache, block_tables, context_lens, out=None, new_key=None, new_value=None,
+                 slot_mapping=None):
         import torch
 
         B, Sq, H, Hkv, D, BS, NB, MB = self.shape
         for name, t, dt in (("block_tables", block_tables, torch.int32), ("context_lens", context_lens, torch.int32)):
             if t.dtype != dt or not t.is_contiguous():
                 raise KernelError(f"{name} must be a contiguous int32 tensor")
+        fused = [t is not None for t in (new_key, new_value, slot_mapping)]
+        if any(fused):
+            if not all(fused):
+                raise KernelError("the fused KV write needs new_key, new_value and slot_mapping together")
+            for name, t in (("new_key", new_key), ("new_value", new_value)):
+                if tuple(t.shape) != (B, Sq, Hkv, D) or t.dtype != query.dtype or not t.is_contiguous():
+                    raise KernelError(f"{name} must be a contiguous {query.dtype} tensor [{B}, {Sq}, {Hkv}, {D}]")
+            if tuple(slot_mapping.shape) != (B, Sq) or slot_mapping.dtype != torch.int32 or not slot_mapping.is_contiguous():
+                raise KernelError(f"slot_mapping must be a contiguous int32 tensor [{B}, {Sq}]")
         if out is None:
             out = torch.empty_like(query)
         _check(lib().es_paged_attention(
@@ -224,7 +237,7 @@ class PagedAttention:
             context_lens.data_ptr(), out.data_ptr(), self.workspace.data_ptr(), self.ws_bytes,
             self.error_flag.data_ptr(), B, Sq, H, Hkv, D, BS, NB, MB, self.splits, self.scale, self.dtype,
             self.counters.data_ptr(), self.num_counters, self.reduce, self.dependent_launch,
-            self.prefetch_past, _stream()))
+            self.prefetch_past, _ptr(new_key), _ptr(new_value), _ptr(slot_mapping), _stream()))
         return out
 
 
@@ -235,6 +248,10 @@ def paged_attention(query, k_cache, v_cache, block_tables, context_lens, num_spl
                         prefetch_past)
     out = op(query, k_cache, v_cache, block_tables, context_lens)
     return out, int(op.error_flag.item())
+
+
+def _ptr(t) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def write_kv(key, value, slot_mapping, k_cache, v_cache, error_flag=None) -> int | None:

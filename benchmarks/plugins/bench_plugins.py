@@ -27,7 +27,8 @@ time per launch); --no-host-loop skips it. Their outputs are checked as the time
 `two-pdl` (reduce kernel, attention kernel as a dependent launch), `auto` (the launcher's default),
 `two-prefetch` (two-pdl, the past K/V requested before the dependent-launch wait: valid here, the
 previous call's reduce writes only the output), `wkv-two` / `wkv-prefetch` (each call writes the new
-tokens' K/V first, as the TensorRT plugin's write_kv=1 enqueue does; the plugin uses wkv-prefetch).
+tokens' K/V with the write_kv kernel first: the TensorRT plugin's write_kv=1 enqueue before the seventh
+session), `fused-two` (the attention kernel writes them itself: the plugin's enqueue now).
 Each attention row names its mode (`reduce`); `reduce_comparison` lines the modes up per shape.
 """
 
@@ -171,19 +172,21 @@ def read_bandwidth() -> float:
     return n * 2 / (ms * 1e-3)
 
 
-# --reduce mode -> (kernels.PagedAttention reduce, dependent_launch, prefetch_past, write_kv first).
-# "wkv-*": each call is the TensorRT plugin's write_kv=1 enqueue: write_kv (the Sq new tokens' K/V
-# through the slot mapping) and then the attention, timed together; the plugin sets prefetch_past
-# there (write_kv is a plain launch writing only the new positions).
+# --reduce mode -> (kernels.PagedAttention reduce, dependent_launch, prefetch_past, how the new tokens'
+# K/V are written: None, "kernel" or "fused"). "wkv-*": each call writes the Sq new tokens' K/V through
+# the slot mapping with the write_kv kernel and then runs the attention, timed together (the TensorRT
+# plugin's write_kv=1 enqueue until the seventh session); "fused-two": one kernel writes and attends
+# (the plugin's enqueue now).
 REDUCE_VARIANTS = {
-    "auto": ("auto", None, False, False),
-    "single": ("single", None, False, False),
-    "two": ("two", None, False, False),
-    "single-nopdl": ("single", False, False, False),
-    "two-pdl": ("two", True, False, False),
-    "two-prefetch": ("two", True, True, False),
-    "wkv-two": ("two", True, False, True),
-    "wkv-prefetch": ("two", True, True, True),
+    "auto": ("auto", None, False, None),
+    "single": ("single", None, False, None),
+    "two": ("two", None, False, None),
+    "single-nopdl": ("single", False, False, None),
+    "two-pdl": ("two", True, False, None),
+    "two-prefetch": ("two", True, True, None),
+    "wkv-two": ("two", True, False, "kernel"),
+    "wkv-prefetch": ("two", True, True, "kernel"),
+    "fused-two": ("two", True, False, "fused"),
 }
 
 
@@ -243,7 +246,12 @@ def bench_attention(shape, contexts, batches, query_lens, block_size, copy_bw, d
                 wkv_flag = torch.zeros(1, dtype=torch.int32, device="cuda")
 
                 def run(op, m):
-                    if REDUCE_VARIANTS[m][3]:
+                    write = REDUCE_VARIANTS[m][3]
+                    if write == "fused":
+                        op(q, k_cache, v_cache, tables, ctx, outs[m], new_key=new_k.view(B, Sq, Hkv, D),
+                           new_value=new_v.view(B, Sq, Hkv, D), slot_mapping=slots.view(B, Sq))
+                        return
+                    if write == "kernel":
                         kernels.write_kv(new_k, new_v, slots, k_cache, v_cache, error_flag=wkv_flag)
                     op(q, k_cache, v_cache, tables, ctx, outs[m])
 

@@ -31,7 +31,8 @@ using enginesmith::DType;
 
 ES_CAPI char const* es_last_error() { return g_last_error.c_str(); }
 
-ES_CAPI int es_abi_version() { return 4; }  // 3: es_paged_attention takes prefetch_past; 4: sparse configs
+ES_CAPI int es_abi_version() { return 5; }  // 3: es_paged_attention takes prefetch_past; 4: sparse configs;
+                                            // 5: es_paged_attention takes the fused write's inputs
 
 // Limits of the paged attention kernels, so Python never restates them.
 ES_CAPI int es_paged_attention_limits(int* head_sizes, int* num_head_sizes, int* block_sizes, int* num_block_sizes,
@@ -77,8 +78,12 @@ ES_CAPI int es_paged_attention(void const* query, void const* k_cache, void cons
     int32_t const* context_lens, void* out, void* workspace, size_t workspace_bytes, int32_t* error_flag, int batch,
     int query_len, int num_heads, int num_kv_heads, int head_size, int block_size, int num_blocks,
     int max_blocks_per_seq, int num_splits, float scale, int dtype, int32_t* split_counters, int num_split_counters,
-    int reduce_mode, int dependent_launch, int prefetch_past, void* stream) {
+    int reduce_mode, int dependent_launch, int prefetch_past, void const* new_key, void const* new_value,
+    int32_t const* slot_mapping, void* stream) {
     pa::Params p;
+    p.new_key = new_key;
+    p.new_value = new_value;
+    p.slot_mapping = slot_mapping;
     p.query = query;
     p.k_cache = k_cache;
     p.v_cache = v_cache;

@@ -190,6 +190,9 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
         return Status::Error("paged attention: block table width and page count must be positive");
     if (!p.query || !p.k_cache || !p.v_cache || !p.block_tables || !p.context_lens || !p.out)
         return Status::Error("paged attention: a required pointer is null");
+    const int fused = (p.new_key != nullptr) + (p.new_value != nullptr) + (p.slot_mapping != nullptr);
+    if (fused != 0 && fused != 3)
+        return Status::Error("paged attention: the fused KV write needs new_key, new_value and slot_mapping together");
     Entry const* e = find_entry(p.dtype, p.head_size, p.block_size);
     ES_RETURN_IF_ERROR(configure_smem(e));
     if (p.num_splits <= 0 && slots <= 0) ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots));

@@ -79,6 +79,18 @@ struct Params {
     int dependent_launch = -1;    // sm_90: launch the attention kernel as a programmatic dependent of the
                                   // previous kernel in the stream (it waits with griddepcontrol.wait
                                   // before reading any input). -1 or 1: on (sm_90), 0: off.
+    // Fused KV write (all three set, or none): the Sq new tokens' K/V, as launch_write_kv followed by
+    // attention would have it, in one kernel. new_key / new_value [B, Sq, Hkv, D] (dtype as the cache),
+    // slot_mapping [B, Sq] int32: cache slot of token s of sequence b, -1 = not written (that position
+    // is read from the cache as it is). The kernel reads the new positions from new_key / new_value
+    // and writes them to their slots (k_cache and v_cache are then written: their const is cast
+    // away). Every written slot must be its position's slot, table[p / BS] * BS + p % BS with
+    // p = context - Sq + s (what a runtime that derives the mapping from the table gives); another slot,
+    // or one outside the pool, is not written: the sequence's output is NaN and error_flag gets
+    // kErrorSlotMapping. With a bad context length nothing of that sequence is written.
+    void const* new_key = nullptr;
+    void const* new_value = nullptr;
+    int32_t const* slot_mapping = nullptr;
     int prefetch_past = 0;        // 1: as a dependent launch, request the past K/V tiles (positions
                                   // < context - Sq), reading the tables and lengths, before that wait.
                                   // Only when no kernel that may still run writes those (true after

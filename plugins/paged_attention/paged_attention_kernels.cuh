@@ -14,6 +14,8 @@
 //       that sees num_splits - 1 resets it and merges all splits (merge_splits: a warp per row,
 //       split order), or
 //     kSeparateKernel: the reduce kernel (sm_90+: a programmatic dependent of the split kernel).
+//   fused KV write (Params::slot_mapping): the Sq new tokens' K/V come from new_key / new_value (rows
+//     fetched before the tile copies) and row block 0 of their split stores them at their slots.
 //   sm_90+: the split kernel starts with griddepcontrol.wait, so it may itself be launched as a
 //   programmatic dependent of whatever kernel precedes it (its launch overlaps that kernel's tail).
 #pragma once
@@ -158,6 +160,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     T* sK = sQ + kRowsPerCta * kStride;              // [kStages][kTileTokens][kStride]
     T* sV = sK + kStages * kTileTokens * kStride;    // [kStages][kTileTokens][kStride]
     __shared__ int s_bad;
+    __shared__ int s_bad_slot;              // fused write: a slot not at its position (or outside the pool)
+    __shared__ int s_slot[kMaxQueryLen];    // fused write: checked slot of each new token, -1 = from the cache
     __shared__ float s_m[kWarps][kRowsPerCta];
     __shared__ float s_l[kWarps][kRowsPerCta];
     __shared__ float s_row_max[kRowsPerCta];
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int rows_total = group * p.query_len;      // G * Sq
     const int Hkv = p.num_kv_heads;
 
-    if (threadIdx.x == 0) s_bad = 0;
+    if (threadIdx.x == 0) s_bad = s_bad_slot = 0;
     if (threadIdx.x < kRowsPerCta) {
         const int row = row0 + threadIdx.x;
         s_out_row[threadIdx.x] =
@@ -200,6 +204,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     T const* query = static_cast<T const*>(p.query);
     T const* k_cache = static_cast<T const*>(p.k_cache);
     T const* v_cache = static_cast<T const*>(p.v_cache);
+    T const* new_key = static_cast<T const*>(p.new_key);
+    T const* new_value = static_cast<T const*>(p.new_value);
+    const bool fused = p.slot_mapping != nullptr;  // fused KV write (paged_attention.h)
     int32_t const* table = p.block_tables + static_cast<size_t>(b) * p.max_blocks_per_seq;
 
     // Q rows of this block: row r = s * G + g  ->  query[b, s, kvh * G + g, :]; padding rows are zero.
@@ -253,8 +260,73 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     for (int i = 0; i < kStages - 1; ++i) read_pages(t_begin, t_end, i, pro_pages[i]);
     read_pages(t_begin, t_end, kStages - 1, next_pages);
 
-    // Positions copied before the wait (prefetch) and after it: [t_begin, past_end) and [past_end, t_end).
-    const int past_end = prefetch ? max(t_begin, min(t_end, ctx_eff - p.query_len)) : t_end;
+    // The new positions are [new_begin, ctx_eff). With prefetch the prologue copies its tiles' past
+    // rows [t_begin, past_end) before the wait and the new ones [past_end, t_end) after it.
+    const int new_begin = ctx_eff - p.query_len;
+    const int past_end = prefetch ? max(t_begin, min(t_end, new_begin)) : t_end;
+
+    // Fused write. Its global reads (each new token's slot and table entry; the new K/V rows of this
+    // split, KV head kvh, for row block 0 to store) are issued by fetch_new into registers before the
+    // prologue's tile copies (with prefetch: after the wait, which they must follow), so they do not
+    // queue behind 64 KiB of copies; check_new then keeps each slot only if it is its position's slot
+    // (else -1 and the sequence is poisoned), and store_new writes the rows to their slots. The
+    // attention itself reads the new rows from new_key / new_value, so no block waits for the stores.
+    constexpr int kNewIters = (kMaxQueryLen * kChunks + kThreads - 1) / kThreads;
+    const int new_first = max(new_begin, t_begin);  // this split's new positions [new_first, t_end)
+    const int new_items = row0 == 0 ? max(0, t_end - new_first) * kChunks : 0;  // 16-byte rows to store
+    int raw_slot = -1, raw_page = 0;
+    uint4 new_k[kNewIters], new_v[kNewIters];
+    auto fetch_new = [&]() {
+        if (threadIdx.x < p.query_len && !bad_ctx) {
+            raw_slot = p.slot_mapping[b * p.query_len + threadIdx.x];
+            raw_page = table[(new_begin + threadIdx.x) / BS];
+        }
+#pragma unroll
+        for (int j = 0; j < kNewIters; ++j) {
+            const int i = threadIdx.x + j * kThreads;
+            if (i < new_items) {
+                const int s = new_first + i / kChunks - new_begin, c = i % kChunks;
+                const size_t src = ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + c * 8;
+                new_k[j] = *reinterpret_cast<uint4 const*>(new_key + src);
+                new_v[j] = *reinterpret_cast<uint4 const*>(new_value + src);
+            }
+        }
+    };
+    auto check_new = [&]() {
+        if (threadIdx.x < p.query_len) {
+            int slot = bad_ctx ? -1 : raw_slot;
+            const int pos = new_begin + threadIdx.x;
+            if (slot != -1 && (slot < 0 || slot >= p.num_blocks * BS ||
+                                  slot != static_cast<long long>(raw_page) * BS + pos % BS)) {
+                s_bad_slot = 1;
+                slot = -1;
+            }
+            s_slot[threadIdx.x] = slot;
+        }
+    };
+    auto store_new = [&]() {
+        T* kw = const_cast<T*>(k_cache);
+        T* vw = const_cast<T*>(v_cache);
+#pragma unroll
+        for (int j = 0; j < kNewIters; ++j) {
+            const int i = threadIdx.x + j * kThreads;
+            if (i >= new_items) continue;
+            const int s = new_first + i / kChunks - new_begin, c = i % kChunks;
+            const int slot = s_slot[s];
+            if (slot < 0) continue;
+            const size_t dst = (static_cast<size_t>(slot) * Hkv + kvh) * D + c * 8;
+            *reinterpret_cast<uint4*>(kw + dst) = new_k[j];
+            *reinterpret_cast<uint4*>(vw + dst) = new_v[j];
+        }
+    };
+    // Without prefetch the slots are checked before the prologue only where its tiles hold new rows
+    // (the copies need s_slot), else after it, off the path of the first copies.
+    const bool check_early = fused && !prefetch && new_first < min(t_end, t_begin + (kStages - 1) * kTileTokens);
+    if (fused && !prefetch) fetch_new();
+    if (check_early) {
+        check_new();
+        __syncthreads();
+    }
 
     // Stage a tile: token rows in [lo, hi) are copied; with zero_tail, rows >= t_end are zero-filled
     // (masked anyway, but V must be finite: P = 0 times garbage could be NaN); other rows are left
@@ -274,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         T* dk = sK + stage * kTileTokens * kStride;
         T* dv = sV + stage * kTileTokens * kStride;
         constexpr int kIters = kTileTokens * kChunks / kThreads;
-        if (t0 >= lo && t0 + kTileTokens <= hi) {  // uniform per block
+        if (t0 >= lo && t0 + kTileTokens <= (fused ? min(hi, new_begin) : hi)) {  // uniform per block
             const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(dk + tok0 * kStride + chunk * 8));
             const uint32_t sv = static_cast<uint32_t>(__cvta_generic_to_shared(dv + tok0 * kStride + chunk * 8));
 #pragma unroll
@@ -304,16 +376,23 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             if (!valid && !(zero_tail && t >= t_end)) continue;
             const int page = pages[it * kTokensPerIter / BS];  // compile-time index: stays in registers
             size_t off = 0;
+            T const* ksrc = k_cache;
+            T const* vsrc = v_cache;
             if (valid) {
-                if (page < 0 || page >= p.num_blocks) {
+                const int s = t - new_begin;  // < Sq: t < t_end <= ctx_eff
+                if (fused && s >= 0 && s_slot[s] >= 0) {  // a new token: from the fused write's input
+                    ksrc = new_key;
+                    vsrc = new_value;
+                    off = ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + c * 8;
+                } else if (page < 0 || page >= p.num_blocks) {
                     s_bad = 1;  // every writer stores 1: the race is benign
                     valid = false;
                 } else {
                     off = ((static_cast<size_t>(page) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
                 }
             }
-            ptx::cp_async_16(dk + tok * kStride + c * 8, k_cache + off, valid);
-            ptx::cp_async_16(dv + tok * kStride + c * 8, v_cache + off, valid);
+            ptx::cp_async_16(dk + tok * kStride + c * 8, ksrc + off, valid);
+            ptx::cp_async_16(dv + tok * kStride + c * 8, vsrc + off, valid);
         }
     };
 
@@ -354,11 +433,20 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
         load_query();
+        if (fused) {
+            fetch_new();
+            check_new();
+            __syncthreads();
+        }
 #pragma unroll
         for (int i = 0; i < kStages - 1; ++i)
             if (i < num_tiles && past_end < t_end) copy_tile(i, i, pro_pages[i], past_end, t_end, false);
         ptx::cp_async_commit();
+    } else if (fused && !check_early) {
+        check_new();
+        __syncthreads();
     }
+    if (fused) store_new();
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int next = tile + kStages - 1;
         if (next < num_tiles) {
@@ -478,9 +566,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     }
     __syncthreads();
 
-    const bool bad = bad_ctx || s_bad != 0;
+    const bool bad = bad_ctx || s_bad != 0 || s_bad_slot != 0;
     if (bad && threadIdx.x == 0 && p.error_flag != nullptr)
-        atomicOr(p.error_flag, (bad_ctx ? kErrorContextLen : 0) | (s_bad ? kErrorBlockTable : 0));
+        atomicOr(p.error_flag, (bad_ctx ? kErrorContextLen : 0) | (s_bad ? kErrorBlockTable : 0) |
+                                   (s_bad_slot ? kErrorSlotMapping : 0));
     const float nan = __int_as_float(0x7fc00000);
     for (int idx = threadIdx.x; idx < kRowsPerCta * D / 4; idx += kThreads) {
         const int r = idx / (D / 4);

@@ -239,7 +239,9 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
         log_error(std::string("PagedAttention: invalid data in an earlier call (outputs were set to NaN):") +
                   ((flag & pa::kErrorBlockTable) ? " a block table entry outside [0, num_blocks)" : "") +
                   ((flag & pa::kErrorContextLen) ? " a context length outside [Sq, MB*block_size]" : "") +
-                  ((flag & pa::kErrorSlotMapping) ? " a slot mapping entry outside the pool" : ""));
+                  ((flag & pa::kErrorSlotMapping)
+                          ? " a slot mapping entry outside the pool or not its token's slot in the block table"
+                          : ""));
         *error_flag_host_ = 0;
         return -1;
     }
@@ -260,28 +262,16 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     void* k_cache = config_.write_kv ? outputs[1] : const_cast<void*>(inputs[x.k_cache]);
     void* v_cache = config_.write_kv ? outputs[2] : const_cast<void*>(inputs[x.v_cache]);
 
-    if (config_.write_kv) {
-        pa::WriteKVParams w;
-        w.key = inputs[x.key];
-        w.value = inputs[x.value];
-        w.slot_mapping = static_cast<int32_t const*>(inputs[x.slot_mapping]);
-        w.k_cache = k_cache;
-        w.v_cache = v_cache;
-        w.error_flag = error_flag_device_;
-        w.num_tokens = batch * query_len;
-        w.num_kv_heads = config_.num_kv_heads;
-        w.head_size = config_.head_size;
-        w.block_size = config_.block_size;
-        w.num_blocks = static_cast<int>(kc.d[0]);
-        w.dtype = dtype;
-        Status st = pa::launch_write_kv(w, stream);
-        if (!st.ok) {
-            log_error("PagedAttention: " + st.message);
-            return -1;
-        }
-    }
-
     pa::Params p;
+    if (config_.write_kv) {
+        // The fused KV write (one kernel; the separate write_kv kernel cost ~2.9 us a call at batch 1
+        // on an H100): the attention kernel stores the new tokens at their slots and reads them from
+        // key/value. Each slot must be its token's slot in the block table (the paged-KV runtime
+        // derives the mapping from the table); anything else is flagged, not written.
+        p.new_key = inputs[x.key];
+        p.new_value = inputs[x.value];
+        p.slot_mapping = static_cast<int32_t const*>(inputs[x.slot_mapping]);
+    }
     p.query = inputs[x.query];
     p.k_cache = k_cache;
     p.v_cache = v_cache;
@@ -299,9 +289,8 @@ int32_t PagedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginT
     p.max_blocks_per_seq = static_cast<int>(bt.d[1]);
     p.scale = config_.scale;
     p.dtype = dtype;
-    // prefetch_past stays off: it would be valid after launch_write_kv (a plain launch writing only
-    // the new positions), but write_kv + attention measured no faster with it on an H100 (slower at
-    // 1k-8k; benchmarks/plugins/results/h100_session7_paged_prefetch*.json, mode wkv-prefetch).
+    // prefetch_past stays off: with the separate write_kv kernel in front it measured no faster on an
+    // H100 (benchmarks/plugins/results/h100_session7_paged_prefetch*.json, mode wkv-prefetch).
     // Same rule getWorkspaceSize sized for (workspace_bound), so the workspace always fits.
     p.num_splits = std::min<int>(config_.max_splits,
         pa::choose_num_splits(batch, query_len, p.num_heads, p.num_kv_heads, p.max_blocks_per_seq, p.block_size,

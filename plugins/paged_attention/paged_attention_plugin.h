@@ -12,6 +12,8 @@
 //                        6 context_lens [B] i32  7 slot_mapping [B,Sq] i32 (-1 = padding)
 //               outputs: 0 out [B,Sq,H,D]  1 k_cache (aliases input 3)  2 v_cache (aliases input 4)
 //               The aliasing needs the builder's PreviewFeature::kALIASED_PLUGIN_IO_10_03.
+//               One kernel writes the new tokens and attends (Params' fused KV write): each slot must
+//               be its token's slot in the block table (-1 skips the token); others are flagged.
 // write_kv = 0  inputs:  0 query  1 k_cache  2 v_cache  3 block_tables  4 context_lens;  output: 0 out
 //
 // Memory: the split-K partials live in TensorRT's per-enqueue workspace (getWorkspaceSize, scratch).
@@ -26,7 +28,7 @@
 //
 // Bad configuration (head size, block size, heads, query length, dtypes, shapes) is rejected by the
 // creator or configurePlugin with a logged error. Bad data (a page index outside the pool, a context
-// length beyond the block table) is only visible on the device: the kernel writes NaN for that
+// length beyond the block table, a slot not its token's) is only visible on the device: the kernel writes NaN for that
 // sequence and sets a host-mapped flag, and the next enqueue logs the error and fails.
 #pragma once
 

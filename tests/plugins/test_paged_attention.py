@@ -263,6 +263,134 @@ def test_prefetch_past_reads_the_new_positions_after_the_wait(kernels_lib, query
     assert int(flag.item()) == 0 and int(fetch.error_flag.item()) == 0
 
 
+def _fused_setup(torch, dtype, head_size, block_size, heads, kv_heads, query_len, contexts, seed=21):
+    """Caches, tables, a query, the Sq new tokens' K/V [B, Sq, Hkv, D] and their slots [B, Sq], each
+    its position's slot in the table (as a paged-KV runtime derives them)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(contexts)
+    k_cache, v_cache, tables, ctx = reference.make_paged_cache(
+        B, contexts, kv_heads, head_size, block_size, dtype, "cuda", generator=g)
+    q = torch.randn(B, query_len, heads, head_size, generator=g).to(dtype).cuda()
+    new_k = torch.randn(B, query_len, kv_heads, head_size, generator=g).to(dtype).cuda()
+    new_v = torch.randn(B, query_len, kv_heads, head_size, generator=g).to(dtype).cuda()
+    tab = tables.cpu()
+    slots = torch.tensor([[int(tab[b, p // block_size]) * block_size + p % block_size for p in range(c - query_len, c)]
+                          for b, c in enumerate(contexts)], dtype=torch.int32).cuda()
+    return k_cache, v_cache, tables, ctx, q, new_k, new_v, slots
+
+
+def _write_then_attend(torch, op, q, k_cache, v_cache, tables, ctx, new_k, new_v, slots):
+    """The unfused reference path: write_kv, then attention reading the new tokens from the cache."""
+    kc, vc = k_cache.clone(), v_cache.clone()
+    Hkv, D = new_k.shape[2:]
+    assert kernels.write_kv(new_k.reshape(-1, Hkv, D), new_v.reshape(-1, Hkv, D), slots.reshape(-1), kc, vc) == 0
+    return op(q, kc, vc, tables, ctx).clone(), kc, vc
+
+
+FUSED_MODES = [("two", False), ("two", True), ("single", False)]
+
+
+@pytest.mark.parametrize("reduce,prefetch_past", FUSED_MODES, ids=["two", "two-prefetch", "single"])
+@pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len", [(c[0], c[1], c[2], c[3], c[4]) for c in CASES])
+def test_fused_write_equals_write_kv_then_attention(kernels_lib, dtype, head_size, block_size, heads, query_len, reduce,
+                                                    prefetch_past):
+    """The fused KV write gives bit for bit the outputs and caches of write_kv followed by attention:
+    new tokens at a sequence's start, mid-page, across a split boundary (1030 tokens, 16 splits: 1024),
+    row blocks > 1 (Sq 16 x G 4), and one token left unwritten (slot -1: read from the cache)."""
+    import torch
+
+    h, hkv = heads
+    dt = getattr(torch, dtype)
+    contexts = [query_len, 37 + query_len, 300, 1030]
+    k_cache, v_cache, tables, ctx, q, new_k, new_v, slots = _fused_setup(
+        torch, dt, head_size, block_size, h, hkv, query_len, contexts)
+    slots[2, 0] = -1
+    for splits in (0, 16):
+        op = kernels.PagedAttention(q, k_cache, v_cache, tables, splits, reduce=reduce, prefetch_past=prefetch_past)
+        want, wk, wv = _write_then_attend(torch, op, q, k_cache, v_cache, tables, ctx, new_k, new_v, slots)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = op(q, kc, vc, tables, ctx, new_key=new_k, new_value=new_v, slot_mapping=slots)
+        torch.cuda.synchronize()
+        assert int(op.error_flag.item()) == 0
+        assert torch.equal(kc, wk) and torch.equal(vc, wv), f"splits={splits}: caches differ"
+        assert torch.equal(out, want), f"splits={splits}: max diff {(out.float() - want.float()).abs().max().item()}"
+        ref = reference.paged_attention(q, wk, wv, tables, ctx)
+        assert (out.float() - ref).abs().max().item() < TOL[dtype]
+
+
+def test_fused_write_back_to_back_in_a_graph(kernels_lib):
+    """Fused calls back to back in a CUDA graph (each a programmatic dependent of the previous call's
+    reduce), new keys/values alternating: each call sees its own new tokens and leaves them in the
+    cache, bit-identical to write_kv + attention."""
+    import torch
+
+    contexts = [1500, 4000, 337]
+    k_cache, v_cache, tables, ctx, q, k0, v0, slots = _fused_setup(torch, torch.float16, 128, 16, 32, 8, 3, contexts)
+    news = [(k0, v0), (torch.randn_like(k0), torch.randn_like(v0))]
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, 0, reduce="two")
+    assert op.splits > 1
+    want, caches = [], []
+    for k, v in news:
+        out, kc, vc = _write_then_attend(torch, op, q, k_cache, v_cache, tables, ctx, k, v, slots)
+        want.append(out)
+        caches.append((kc, vc))
+    assert not torch.equal(want[0], want[1])
+    outs = [torch.empty_like(q) for _ in range(4)]
+
+    def steps():
+        for i in range(4):
+            k, v = news[i % 2]
+            op(q, k_cache, v_cache, tables, ctx, outs[i], new_key=k, new_value=v, slot_mapping=slots)
+
+    steps()
+    torch.cuda.synchronize()
+    for i in range(4):
+        assert torch.equal(outs[i], want[i % 2]), i
+    _check_graph_replays(torch, steps, outs, want, 5)
+    kc, vc = caches[1]  # the last call wrote the second set
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    assert int(op.error_flag.item()) == 0
+
+
+@pytest.mark.parametrize("reduce", REDUCE)
+def test_fused_write_flags_a_slot_not_at_its_position(kernels_lib, reduce):
+    """A slot that is not its token's slot in the table, or one outside the pool, is not written; that
+    sequence's output is NaN and the flag says slot mapping; the other sequence is unaffected."""
+    import torch
+
+    contexts = [500, 900]
+    k_cache, v_cache, tables, ctx, q, new_k, new_v, slots = _fused_setup(torch, torch.float16, 128, 16, 32, 8, 2,
+                                                                         contexts)
+    NB, BS = k_cache.shape[:2]
+    good = slots.clone()
+    # a valid slot elsewhere (sequence 1's position 0), one outside the pool
+    for bad_slot in (int(tables[1, 0].item()) * BS, NB * BS):
+        slots = good.clone()
+        slots[0, 1] = bad_slot
+        op = kernels.PagedAttention(q, k_cache, v_cache, tables, 0, reduce=reduce)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = op(q, kc, vc, tables, ctx, new_key=new_k, new_value=new_v, slot_mapping=slots)
+        torch.cuda.synchronize()
+        assert int(op.error_flag.item()) & 4
+        assert torch.isnan(out[0].float()).all() and not torch.isnan(out[1].float()).any()
+        if bad_slot < NB * BS:
+            assert torch.equal(kc.view(-1, *kc.shape[2:])[bad_slot], k_cache.view(-1, *kc.shape[2:])[bad_slot])
+        ref_op = kernels.PagedAttention(q, k_cache, v_cache, tables, 0, reduce=reduce)
+        want, _, _ = _write_then_attend(torch, ref_op, q, k_cache, v_cache, tables, ctx, new_k, new_v, good)
+        assert torch.equal(out[1], want[1])
+
+
+def test_fused_write_needs_all_three_inputs(kernels_lib):
+    import torch
+
+    k_cache, v_cache, tables, ctx, q, new_k, new_v, slots = _fused_setup(torch, torch.float16, 64, 16, 8, 2, 1, [40])
+    op = kernels.PagedAttention(q, k_cache, v_cache, tables, 0)
+    with pytest.raises(kernels.KernelError, match="together"):
+        op(q, k_cache, v_cache, tables, ctx, new_key=new_k, new_value=new_v)
+    with pytest.raises(kernels.KernelError, match="slot_mapping must be"):
+        op(q, k_cache, v_cache, tables, ctx, new_key=new_k, new_value=new_v, slot_mapping=slots.reshape(-1))
+
+
 def test_single_kernel_merge_without_counters_is_an_error(kernels_lib):
     import torch
 

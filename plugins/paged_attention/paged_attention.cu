@@ -15,23 +15,34 @@ namespace {
 using KernelFn = void (*)(Params, int);
 using ReduceFn = void (*)(Params, int, int);
 
+// One split kernel variant: rows per block (block_rows) and its dynamic shared memory.
+struct Variant {
+    KernelFn kernel;
+    size_t smem;
+    std::atomic<bool>* smem_configured;
+};
+
 struct Entry {
     DType dtype;
     int head_size;
     int block_size;
-    KernelFn kernel;
+    Variant single_tile;  // G * Sq <= kRowsPerCta
+    Variant multi_tile;   // G * Sq > kRowsPerCta: kMultiTiles row tiles per block
     ReduceFn reduce;
-    size_t smem;
-    std::atomic<bool>* smem_configured;
     std::atomic<int>* slots;  // cached resident_slots (0 = not yet asked)
+
+    Variant const& variant(int rows) const { return rows > kRowsPerCta ? multi_tile : single_tile; }
 };
 
 template <typename T, int D, int BS>
 Entry make_entry(DType dtype) {
-    static std::atomic<bool> configured{false};
+    static std::atomic<bool> configured_single{false}, configured_multi{false};
     static std::atomic<int> slots{0};
-    return Entry{dtype, D, BS, &detail::paged_attention_kernel<T, D, BS>, &detail::paged_attention_reduce_kernel<T, D>,
-        detail::smem_bytes<T, D>(), &configured, &slots};
+    return Entry{dtype, D, BS,
+        Variant{&detail::paged_attention_kernel<T, D, BS, 1>, detail::smem_bytes<T, D, 1>(), &configured_single},
+        Variant{&detail::paged_attention_kernel<T, D, BS, kMultiTiles>, detail::smem_bytes<T, D, kMultiTiles>(),
+            &configured_multi},
+        &detail::paged_attention_reduce_kernel<T, D>, &slots};
 }
 
 // The dispatch table: every (dtype, head size, block size) with a compiled kernel. Anything else is
@@ -92,11 +103,11 @@ Status check_config(DType dtype, int head_size, int block_size, int num_heads, i
     return Status::Ok();
 }
 
-static Status configure_smem(Entry const* e) {
-    if (!e->smem_configured->load(std::memory_order_acquire)) {
-        ES_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(reinterpret_cast<void const*>(e->kernel),
-            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(e->smem)));
-        e->smem_configured->store(true, std::memory_order_release);
+static Status configure_smem(Variant const& v) {
+    if (!v.smem_configured->load(std::memory_order_acquire)) {
+        ES_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(reinterpret_cast<void const*>(v.kernel),
+            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(v.smem)));
+        v.smem_configured->store(true, std::memory_order_release);
     }
     return Status::Ok();
 }
@@ -106,12 +117,16 @@ Status resident_slots(DType dtype, int head_size, int block_size, int* slots) {
     if (e == nullptr) return check_config(dtype, head_size, block_size, 1, 1, 1);
     int cached = e->slots->load(std::memory_order_acquire);
     if (cached == 0) {  // one GPU kind per process is assumed (as TensorRT engines do)
-        ES_RETURN_IF_ERROR(configure_smem(e));
-        int dev = 0, sms = 0, per_sm = 0;
+        int dev = 0, sms = 0, per_sm = 1 << 30;
         ES_RETURN_IF_CUDA_ERROR(cudaGetDevice(&dev));
         ES_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        ES_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, reinterpret_cast<void const*>(e->kernel), detail::kThreads, e->smem));
+        for (Variant const* v : {&e->single_tile, &e->multi_tile}) {  // the lower of the two variants
+            int n = 0;
+            ES_RETURN_IF_ERROR(configure_smem(*v));
+            ES_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &n, reinterpret_cast<void const*>(v->kernel), detail::kThreads, v->smem));
+            per_sm = std::min(per_sm, n);
+        }
         cached = std::max(1, sms * std::max(per_sm, 1));
         e->slots->store(cached, std::memory_order_release);
     }
@@ -136,7 +151,8 @@ static bool dependent_launch_supported() {
 int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
     int block_size, int slots) {
     if (batch <= 0 || num_kv_heads <= 0) return 1;
-    const int row_blocks = ceil_div(num_heads / num_kv_heads * query_len, kRowsPerCta);
+    const int rows = num_heads / num_kv_heads * query_len;
+    const int row_blocks = ceil_div(rows, block_rows(rows));
     const int base = batch * num_kv_heads * row_blocks;
     const int want = std::max(1, std::max(slots, 1) / base);  // at most one full wave
     const int by_len = std::max(1, max_blocks_per_seq * block_size / kMinTokensPerSplit);
@@ -158,7 +174,8 @@ size_t workspace_size(int batch, int query_len, int num_heads, int head_size, in
 
 int split_counters_needed(int batch, int query_len, int num_heads, int num_kv_heads) {
     if (batch <= 0 || num_kv_heads <= 0 || num_heads <= 0) return 0;
-    return batch * num_kv_heads * ceil_div(num_heads / num_kv_heads * query_len, kRowsPerCta);
+    const int rows = num_heads / num_kv_heads * query_len;
+    return batch * num_kv_heads * ceil_div(rows, block_rows(rows));
 }
 
 ReduceMode default_reduce_mode() {
@@ -194,7 +211,9 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     if (fused != 0 && fused != 3)
         return Status::Error("paged attention: the fused KV write needs new_key, new_value and slot_mapping together");
     Entry const* e = find_entry(p.dtype, p.head_size, p.block_size);
-    ES_RETURN_IF_ERROR(configure_smem(e));
+    const int group = p.num_heads / p.num_kv_heads;
+    Variant const& kernel = e->variant(group * p.query_len);
+    ES_RETURN_IF_ERROR(configure_smem(kernel));
     if (p.num_splits <= 0 && slots <= 0) ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots));
     int splits = p.num_splits > 0 ? p.num_splits
                                   : choose_num_splits(p.batch, p.query_len, p.num_heads, p.num_kv_heads,
@@ -229,8 +248,7 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     }
     if (!last_block || splits == 1) p.split_counters = nullptr;  // the kernel reads this as the mode
 
-    const int group = p.num_heads / p.num_kv_heads;
-    const int row_blocks = ceil_div(group * p.query_len, kRowsPerCta);
+    const int row_blocks = ceil_div(group * p.query_len, block_rows(group * p.query_len));
     const dim3 grid(splits, p.num_kv_heads * row_blocks, p.batch);
     if (grid.y > 65535 || grid.z > 65535) return Status::Error("paged attention: batch or heads exceed the grid limit");
     {
@@ -243,11 +261,11 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
         cudaLaunchConfig_t config = {};
         config.gridDim = grid;
         config.blockDim = dim3(detail::kThreads);
-        config.dynamicSmemBytes = e->smem;
+        config.dynamicSmemBytes = kernel.smem;
         config.stream = stream;
         config.attrs = attr;
         config.numAttrs = pdl ? 1 : 0;
-        ES_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, e->kernel, p, row_blocks));
+        ES_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, kernel.kernel, p, row_blocks));
     }
     if (splits > 1 && !last_block) {
         // On sm_90+ the reduce is a programmatic dependent launch: its blocks are scheduled while the

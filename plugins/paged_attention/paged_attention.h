@@ -49,6 +49,11 @@ constexpr int kSupportedBlockSizes[] = {16, 32, 64};
 constexpr int kMaxQueryLen = 16;  // multi-token queries: speculative verification, chunked prefill
 constexpr int kMaxSplits = 256;   // flash-decoding splits per (sequence, KV head, row block)
 constexpr int kRowsPerCta = 16;   // one m16 MMA tile of (query token, head in group) rows
+constexpr int kMultiTiles = 4;    // m16 row tiles per block when G * Sq > kRowsPerCta (one per warp)
+
+// (query token, head in group) rows per thread block for G * Sq rows: all G * Sq rows of a KV head
+// share a block's K/V reads, up to kRowsPerCta * kMultiTiles.
+constexpr int block_rows(int rows) { return rows > kRowsPerCta ? kRowsPerCta * kMultiTiles : kRowsPerCta; }
 constexpr int kTileTokens = 64;   // KV tokens staged in shared memory per pipeline step
 constexpr int kMinTokensPerSplit = 128;
 

@@ -48,9 +48,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int D>
 __host__ __device__ constexpr int smem_stride() { return D + 8; }
 
-template <typename T, int D>
+// kMT = 1: a separate Q buffer of 16 rows; kMT > 1: Q (16 * kMT <= kTileTokens rows) is staged in the
+// last K stage and moved to registers before the pipeline first refills that stage.
+template <typename T, int D, int kMT>
 __host__ __device__ constexpr size_t smem_bytes() {
-    return static_cast<size_t>(kRowsPerCta + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+    return static_cast<size_t>((kMT == 1 ? kRowsPerCta : 0) + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
 }
 
 // Split merge, shared by the reduce kernel and the last-block path. The splits i = first, first +
@@ -144,8 +146,15 @@ __device__ __forceinline__ void merge_splits(Params const& p, int const* s_out_r
     }
 }
 
-template <typename T, int D, int BS>
+// kMT: m16 row tiles per block. 1 (decode, G * Sq <= 16): the four warps split each K/V tile's 64
+// tokens (16 each) for the block's 16 rows and are merged at the end. kMultiTiles (G * Sq > 16:
+// speculative verification, chunked prefill): warp w owns rows 16w..16w+15 and runs all 64 tokens of
+// every tile, so the 64 rows share one read of the K/V (before, each 16-row block re-read them).
+template <typename T, int D, int BS, int kMT>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int row_blocks) {
+    static_assert(kMT == 1 || kMT == kWarps, "one row tile per block, or one per warp");
+    static_assert(kRowsPerCta * kMT <= kTileTokens, "kMT > 1 stages Q in one K stage");
+    constexpr int kRows = kRowsPerCta * kMT;  // (query token, head in group) rows of this block
     static_assert(D % 16 == 0 && D <= 256, "head size must be a multiple of 16, at most 256");
     static_assert(kTileTokens % BS == 0, "a tile must cover whole pages");
     static_assert(kWarps * 16 == kTileTokens, "each warp takes 16 tokens of a tile");
@@ -156,17 +165,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     constexpr int kChunks = D / 8;  // 16-byte chunks per token row of one head
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);          // [16][kStride]
-    T* sK = sQ + kRowsPerCta * kStride;              // [kStages][kTileTokens][kStride]
+    T* sK = reinterpret_cast<T*>(smem_raw) + (kMT == 1 ? kRowsPerCta * kStride : 0);  // [kStages][kTileTokens][kStride]
     T* sV = sK + kStages * kTileTokens * kStride;    // [kStages][kTileTokens][kStride]
+    T* sQ = kMT == 1 ? reinterpret_cast<T*>(smem_raw) : sK + (kStages - 1) * kTileTokens * kStride;  // [kRows][kStride]
     __shared__ int s_bad;
     __shared__ int s_bad_slot;              // fused write: a slot not at its position (or outside the pool)
     __shared__ int s_slot[kMaxQueryLen];    // fused write: checked slot of each new token, -1 = from the cache
     __shared__ float s_m[kWarps][kRowsPerCta];
     __shared__ float s_l[kWarps][kRowsPerCta];
-    __shared__ float s_row_max[kRowsPerCta];
-    __shared__ float s_row_sum[kRowsPerCta];
-    __shared__ int s_out_row[kRowsPerCta];  // (b, s, h) output row of each of this block's rows
+    __shared__ float s_row_max[kRows];
+    __shared__ float s_row_sum[kRows];
+    __shared__ int s_out_row[kRows];  // (b, s, h) output row of each of this block's rows
     __shared__ int s_last;
 
     // prefetch_past: the kernels still running when this one starts (it is a programmatic dependent
@@ -186,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int split = blockIdx.x;
     const int num_splits = gridDim.x;
     const int kvh = blockIdx.y / row_blocks;
-    const int row0 = (blockIdx.y % row_blocks) * kRowsPerCta;
+    const int row0 = (blockIdx.y % row_blocks) * kRows;
     const int b = blockIdx.z;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -195,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int Hkv = p.num_kv_heads;
 
     if (threadIdx.x == 0) s_bad = s_bad_slot = 0;
-    if (threadIdx.x < kRowsPerCta) {
+    if (threadIdx.x < kRows) {
         const int row = row0 + threadIdx.x;
         s_out_row[threadIdx.x] =
             row < rows_total ? (b * p.query_len + row / group) * p.num_heads + kvh * group + row % group : 0;
@@ -211,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
 
     // Q rows of this block: row r = s * G + g  ->  query[b, s, kvh * G + g, :]; padding rows are zero.
     auto load_query = [&]() {
-        for (int i = threadIdx.x; i < kRowsPerCta * kChunks; i += kThreads) {
+        for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
             const int r = i / kChunks, c = i % kChunks;
             const int row = row0 + r;
             const bool valid = row < rows_total;
@@ -406,7 +415,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     int limit[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int row = row0 + gid + 8 * i;
+        const int row = row0 + (kMT == 1 ? 0 : warp * 16) + gid + 8 * i;  // this warp's row tile
         const int s = row < rows_total ? row / group : p.query_len - 1;
         limit[i] = min(t_end, ctx_eff - p.query_len + s + 1);
     }
@@ -447,6 +456,20 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         __syncthreads();
     }
     if (fused) store_new();
+    if constexpr (kMT > 1) {
+        // Q sits in the last K stage, which the loop's first step refills: to registers first (the Q
+        // group is the oldest without prefetch; with it, Q came with the last group).
+        if (prefetch) {
+            ptx::cp_async_wait<0>();
+        } else {
+            ptx::cp_async_wait<kStages - 1>();
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ptx::ldmatrix_x4(qf[kk], sQ + (warp * 16 + (mi & 1) * 8 + r8) * kStride + kk * 16 + (mi >> 1) * 8);
+        __syncthreads();
+    }
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int next = tile + kStages - 1;
         if (next < num_tiles) {
@@ -460,37 +483,50 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             ptx::cp_async_wait<kStages - 1>();
         }
         __syncthreads();
-        if (tile == 0) {
+        if (kMT == 1 && tile == 0) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
                 ptx::ldmatrix_x4(qf[kk], sQ + ((mi & 1) * 8 + r8) * kStride + kk * 16 + (mi >> 1) * 8);
         }
-        T const* tk = sK + (tile % kStages) * kTileTokens * kStride + warp * 16 * kStride;
-        T const* tv = sV + (tile % kStages) * kTileTokens * kStride + warp * 16 * kStride;
+        // This warp's 16-token chunks of the tile: chunk `warp` (kMT = 1) or all of them.
+        constexpr int kCPW = kMT == 1 ? 1 : kTileTokens / 16;
+        const int chunk0 = kMT == 1 ? warp : 0;
+        T const* tk = sK + (tile % kStages) * kTileTokens * kStride + chunk0 * 16 * kStride;
+        T const* tv = sV + (tile % kStages) * kTileTokens * kStride + chunk0 * 16 * kStride;
 
-        // S = Q Kᵀ for this warp's 16 tokens: two n8 tiles.
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // S = Q Kᵀ for each 16-token chunk: two n8 tiles.
+        float s[kCPW][2][4];
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t kb[4];
-            ptx::ldmatrix_x4(kb, tk + ((mi >> 1) * 8 + r8) * kStride + kk * 16 + (mi & 1) * 8);
-            ptx::mma_16816<T>(s[0], qf[kk], kb[0], kb[1]);
-            ptx::mma_16816<T>(s[1], qf[kk], kb[2], kb[3]);
+        for (int c = 0; c < kCPW; ++c) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) s[c][j][0] = s[c][j][1] = s[c][j][2] = s[c][j][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t kb[4];
+                ptx::ldmatrix_x4(kb, tk + (c * 16 + (mi >> 1) * 8 + r8) * kStride + kk * 16 + (mi & 1) * 8);
+                ptx::mma_16816<T>(s[c][0], qf[kk], kb[0], kb[1]);
+                ptx::mma_16816<T>(s[c][1], qf[kk], kb[2], kb[3]);
+            }
         }
 
-        const int tbase = t_begin + tile * kTileTokens + warp * 16;
+        const int tbase = t_begin + tile * kTileTokens + chunk0 * 16;
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int c = 0; c < kCPW; ++c)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = tbase + j * 8 + tig * 2 + (e & 1);
-                s[j][e] = tok < limit[e >> 1] ? s[j][e] * scale_log2 : -INFINITY;
-            }
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int tok = tbase + c * 16 + j * 8 + tig * 2 + (e & 1);
+                    s[c][j][e] = tok < limit[e >> 1] ? s[c][j][e] * scale_log2 : -INFINITY;
+                }
 
         // Online softmax, rows gid (i = 0) and gid + 8 (i = 1); a row spans the 4 threads of a quad.
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            float mx = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
+            float mx = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < kCPW; ++c)
+                mx = fmaxf(mx, fmaxf(fmaxf(s[c][0][2 * i], s[c][0][2 * i + 1]), fmaxf(s[c][1][2 * i], s[c][1][2 * i + 1])));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
             const float m_new = fmaxf(m_run[i], mx);
@@ -498,11 +534,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             const float alpha = exp2f(m_run[i] - base);
             float sum = 0.f;
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                s[j][2 * i] = exp2f(s[j][2 * i] - base);
-                s[j][2 * i + 1] = exp2f(s[j][2 * i + 1] - base);
-                sum += s[j][2 * i] + s[j][2 * i + 1];
-            }
+            for (int c = 0; c < kCPW; ++c)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    s[c][j][2 * i] = exp2f(s[c][j][2 * i] - base);
+                    s[c][j][2 * i + 1] = exp2f(s[c][j][2 * i + 1] - base);
+                    sum += s[c][j][2 * i] + s[c][j][2 * i + 1];
+                }
             l_run[i] = l_run[i] * alpha + sum;  // per-thread partial; quad-reduced at the end
             m_run[i] = m_new;
 #pragma unroll
@@ -512,22 +550,25 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             }
         }
 
-        // The S accumulators of two n8 tiles are exactly the A fragment of P[16 x 16].
-        const uint32_t pa[4] = {ptx::pack2<T>(s[0][0], s[0][1]), ptx::pack2<T>(s[0][2], s[0][3]),
-            ptx::pack2<T>(s[1][0], s[1][1]), ptx::pack2<T>(s[1][2], s[1][3])};
+        // The S accumulators of a chunk's two n8 tiles are exactly the A fragment of P[16 x 16].
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-            uint32_t vb[4];
-            ptx::ldmatrix_x4_trans(vb, tv + ((mi & 1) * 8 + r8) * kStride + dp * 16 + (mi >> 1) * 8);
-            ptx::mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
-            ptx::mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+        for (int c = 0; c < kCPW; ++c) {
+            const uint32_t pa[4] = {ptx::pack2<T>(s[c][0][0], s[c][0][1]), ptx::pack2<T>(s[c][0][2], s[c][0][3]),
+                ptx::pack2<T>(s[c][1][0], s[c][1][1]), ptx::pack2<T>(s[c][1][2], s[c][1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t vb[4];
+                ptx::ldmatrix_x4_trans(vb, tv + (c * 16 + (mi & 1) * 8 + r8) * kStride + dp * 16 + (mi >> 1) * 8);
+                ptx::mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+                ptx::mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+            }
         }
         __syncthreads();  // the stage is refilled next iteration
     }
     ptx::cp_async_wait<0>();
     __syncthreads();
 
-    // Merge the four warps (same rows, disjoint tokens).
+    // kMT = 1: merge the four warps (same rows, disjoint tokens); kMT > 1: each warp has its own rows.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l_run[i] += __shfl_xor_sync(0xffffffff, l_run[i], 1);
@@ -540,24 +581,23 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         s_l[warp][gid + 8] = l_run[1];
     }
     __syncthreads();
-    if (threadIdx.x < kRowsPerCta) {
-        const int r = threadIdx.x;
+    if (threadIdx.x < kRows) {
+        const int r = threadIdx.x % kRowsPerCta;
+        const int w_lo = kMT == 1 ? 0 : threadIdx.x / kRowsPerCta, w_hi = kMT == 1 ? kWarps : w_lo + 1;
         float mx = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][r]);
+        for (int w = w_lo; w < w_hi; ++w) mx = fmaxf(mx, s_m[w][r]);
         float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w)
+        for (int w = w_lo; w < w_hi; ++w)
             sum += s_m[w][r] == -INFINITY ? 0.f : s_l[w][r] * exp2f(s_m[w][r] - mx);
-        s_row_max[r] = mx;
-        s_row_sum[r] = sum;
+        s_row_max[threadIdx.x] = mx;
+        s_row_sum[threadIdx.x] = sum;
     }
     __syncthreads();
-    float* sO = reinterpret_cast<float*>(sK);  // [kWarps][16][D]
+    float* sO = reinterpret_cast<float*>(sK);  // [kWarps][16][D]: warp w's rows (kMT > 1: block rows 16w..)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = gid + 8 * i;
-        const float f = m_run[i] == -INFINITY ? 0.f : exp2f(m_run[i] - s_row_max[r]);
+        const float f = m_run[i] == -INFINITY ? 0.f : exp2f(m_run[i] - s_row_max[(kMT == 1 ? 0 : warp * 16) + r]);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             float2 v = make_float2(o[n][2 * i] * f, o[n][2 * i + 1] * f);
@@ -571,16 +611,20 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         atomicOr(p.error_flag, (bad_ctx ? kErrorContextLen : 0) | (s_bad ? kErrorBlockTable : 0) |
                                    (s_bad_slot ? kErrorSlotMapping : 0));
     const float nan = __int_as_float(0x7fc00000);
-    for (int idx = threadIdx.x; idx < kRowsPerCta * D / 4; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < kRows * D / 4; idx += kThreads) {
         const int r = idx / (D / 4);
         const int d = (idx % (D / 4)) * 4;
         const int row = row0 + r;
         if (row >= rows_total) continue;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (kMT == 1) {
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-            const float4 v = *reinterpret_cast<float4 const*>(sO + (w * kRowsPerCta + r) * D + d);
-            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            for (int w = 0; w < kWarps; ++w) {
+                const float4 v = *reinterpret_cast<float4 const*>(sO + (w * kRowsPerCta + r) * D + d);
+                acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+            }
+        } else {
+            acc = *reinterpret_cast<float4 const*>(sO + r * D + d);
         }
         const float sum = s_row_sum[r];
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -615,7 +659,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     }
     __syncthreads();
     if (!s_last) return;
-    merge_splits<T, D>(p, s_out_row, num_splits, min(kRowsPerCta, rows_total - row0));
+    merge_splits<T, D>(p, s_out_row, num_splits, min(kRows, rows_total - row0));
 }
 
 // Merge the splits of one output row (b, s, h) per block. The kReduceWarps warps take every

@@ -43,9 +43,13 @@ CASES = list(itertools.product(
 ))
 
 
+# Plus G 8 x Sq 16 = 128 rows: two 64-row blocks per KV head.
+WIDE = [("bfloat16", 64, 32, (16, 2), 16), ("float16", 128, 16, (16, 2), 16)]
+
+
 @pytest.mark.parametrize("prefetch_past", [False, True], ids=["wait-first", "prefetch-past"])
 @pytest.mark.parametrize("reduce", REDUCE)
-@pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len", [(c[0], c[1], c[2], c[3], c[4]) for c in CASES])
+@pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len", [(c[0], c[1], c[2], c[3], c[4]) for c in CASES] + WIDE)
 def test_matches_reference(kernels_lib, dtype, head_size, block_size, heads, query_len, reduce, prefetch_past):
     import torch
 
@@ -70,12 +74,12 @@ def test_long_context_split_k(kernels_lib, reduce):
 @pytest.mark.parametrize("reduce", REDUCE)
 @pytest.mark.parametrize("dtype,head_size", [("float16", 128), ("bfloat16", 64)])
 def test_max_splits_many_row_blocks(kernels_lib, reduce, dtype, head_size):
-    """kMaxSplits splits, 4 row blocks per KV head (G 4 x Sq 16 = 64 rows), a batch of unequal
-    contexts (some splits empty): the largest merge the last block does."""
+    """kMaxSplits splits, 2 row blocks of 64 rows per KV head (G 8 x Sq 16 = 128 rows), a batch of
+    unequal contexts (some splits empty): the largest merge the last block does."""
     import torch
 
     limits = kernels_lib.paged_attention_limits()
-    err, flag = _run_case(torch, getattr(torch, dtype), head_size, 16, 16, 4, 16, [20000, 700, 16],
+    err, flag = _run_case(torch, getattr(torch, dtype), head_size, 16, 16, 2, 16, [20000, 700, 16],
                           limits.max_splits, reduce=reduce)
     assert flag == 0 and err < TOL[dtype], err
 
@@ -291,12 +295,14 @@ FUSED_MODES = [("two", False), ("two", True), ("single", False)]
 
 
 @pytest.mark.parametrize("reduce,prefetch_past", FUSED_MODES, ids=["two", "two-prefetch", "single"])
-@pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len", [(c[0], c[1], c[2], c[3], c[4]) for c in CASES])
+@pytest.mark.parametrize("dtype,head_size,block_size,heads,query_len",
+                         [(c[0], c[1], c[2], c[3], c[4]) for c in CASES] + WIDE)
 def test_fused_write_equals_write_kv_then_attention(kernels_lib, dtype, head_size, block_size, heads, query_len, reduce,
                                                     prefetch_past):
     """The fused KV write gives bit for bit the outputs and caches of write_kv followed by attention:
     new tokens at a sequence's start, mid-page, across a split boundary (1030 tokens, 16 splits: 1024),
-    row blocks > 1 (Sq 16 x G 4), and one token left unwritten (slot -1: read from the cache)."""
+    64-row blocks (Sq 16 x G 4), two of them (Sq 16 x G 8), and one token left unwritten (slot -1: read
+    from the cache)."""
     import torch
 
     h, hkv = heads

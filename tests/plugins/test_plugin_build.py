@@ -47,11 +47,14 @@ def test_limits_come_from_the_cpp_layer(kernels_lib):
 
 
 def test_split_counters_for_the_single_kernel_merge(kernels_lib):
-    """One persistent int32 counter per (sequence, KV head, 16-row block), whatever the split count."""
+    """One persistent int32 counter per (sequence, KV head, row block: 16 rows, or 64 when G x Sq > 16),
+    whatever the split count."""
     L = kernels_lib.lib()
     assert L.es_abi_version() == kernels_lib.ABI_VERSION
     assert L.es_paged_attention_counters(2, 1, 32, 8) == 16   # G 4 x Sq 1: one row block per KV head
-    assert L.es_paged_attention_counters(2, 16, 16, 4) == 32  # G 4 x Sq 16 = 64 rows: 4 row blocks
+    assert L.es_paged_attention_counters(2, 16, 16, 4) == 8   # G 4 x Sq 16 = 64 rows: one 64-row block
+    assert L.es_paged_attention_counters(1, 16, 16, 2) == 4   # G 8 x Sq 16 = 128 rows: 2 row blocks
+    assert L.es_paged_attention_counters(1, 9, 4, 2) == 2     # G 2 x Sq 9 = 18 rows: one 64-row block
     assert L.es_paged_attention_counters(3, 5, 9, 3) == 9     # G 3 x Sq 5 = 15 rows: 1 row block
 
 

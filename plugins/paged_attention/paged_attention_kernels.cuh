@@ -342,7 +342,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     // alone (a later copy_tile call of the same stage fills them).
     // A whole tile inside [lo, hi) (all but a split's ragged last tile and the prefetch's split at
     // the new positions) takes a short path: the thread's page-relative offset is fixed, each page's
-    // base is computed once, and no row needs a mask. (The general path below spent ~55 instructions
+    // base is computed once, and no row needs a mask (a page holding the fused write's new rows picks
+    // each row's source). (The general path below spent ~55 instructions
     // per 16-byte copy on masks and 64-bit offsets: most of the kernel's instructions at batch 1.)
     const int tok0 = threadIdx.x / kChunks;  // this thread copies rows tok0 + i * kTokensPerIter ...
     const int chunk = threadIdx.x % kChunks;  // ... 16-byte chunk `chunk` of each
@@ -355,7 +356,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         T* dk = sK + stage * kTileTokens * kStride;
         T* dv = sV + stage * kTileTokens * kStride;
         constexpr int kIters = kTileTokens * kChunks / kThreads;
-        if (t0 >= lo && t0 + kTileTokens <= (fused ? min(hi, new_begin) : hi)) {  // uniform per block
+        if (t0 >= lo && t0 + kTileTokens <= hi) {  // uniform per block
             const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(dk + tok0 * kStride + chunk * 8));
             const uint32_t sv = static_cast<uint32_t>(__cvta_generic_to_shared(dv + tok0 * kStride + chunk * 8));
 #pragma unroll
@@ -367,11 +368,23 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
                 }
                 T const* ks = k_cache + page * page_elems + thread_off;
                 T const* vs = v_cache + page * page_elems + thread_off;
+                const int page_t0 = t0 + j * BS;
+                const bool has_new = fused && page_t0 + BS > new_begin;  // uniform: the fused write's rows
 #pragma unroll
                 for (int r = 0; r < kItersPerPage; ++r) {
                     const uint32_t row = (j * kItersPerPage + r) * kTokensPerIter * kStride * sizeof(T);
-                    ptx::cp_async_16(sk + row, ks + r * kTokensPerIter * row_elems);
-                    ptx::cp_async_16(sv + row, vs + r * kTokensPerIter * row_elems);
+                    T const* kr = ks + r * kTokensPerIter * row_elems;
+                    T const* vr = vs + r * kTokensPerIter * row_elems;
+                    if (has_new) {
+                        const int s = page_t0 + r * kTokensPerIter + tok0 - new_begin;  // < Sq: t < hi <= ctx_eff
+                        if (s >= 0 && s_slot[s] >= 0) {
+                            const size_t off = ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + chunk * 8;
+                            kr = new_key + off;
+                            vr = new_value + off;
+                        }
+                    }
+                    ptx::cp_async_16(sk + row, kr);
+                    ptx::cp_async_16(sv + row, vr);
                 }
             }
             return;

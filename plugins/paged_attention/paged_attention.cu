@@ -31,7 +31,7 @@ struct Entry {
     ReduceFn reduce;
     std::atomic<int>* slots;  // cached resident_slots (0 = not yet asked)
 
-    Variant const& variant(int rows) const { return rows > kRowsPerCta ? multi_tile : single_tile; }
+    Variant const& variant(int rows) const { return block_rows(rows) > kRowsPerCta ? multi_tile : single_tile; }
 };
 
 template <typename T, int D, int BS>

@@ -285,6 +285,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int new_items = row0 == 0 ? max(0, t_end - new_first) * kChunks : 0;  // 16-byte rows to store
     int raw_slot = -1, raw_page = 0;
     uint4 new_k[kNewIters], new_v[kNewIters];
+    // Element offset of new token s's 16-byte chunk c (KV head kvh) in new_key / new_value.
+    auto new_row = [&](int s, int c) { return ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + c * 8; };
     auto fetch_new = [&]() {
         if (threadIdx.x < p.query_len && !bad_ctx) {
             raw_slot = p.slot_mapping[b * p.query_len + threadIdx.x];
@@ -295,9 +297,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             const int i = threadIdx.x + j * kThreads;
             if (i < new_items) {
                 const int s = new_first + i / kChunks - new_begin, c = i % kChunks;
-                const size_t src = ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + c * 8;
-                new_k[j] = *reinterpret_cast<uint4 const*>(new_key + src);
-                new_v[j] = *reinterpret_cast<uint4 const*>(new_value + src);
+                new_k[j] = *reinterpret_cast<uint4 const*>(new_key + new_row(s, c));
+                new_v[j] = *reinterpret_cast<uint4 const*>(new_value + new_row(s, c));
             }
         }
     };
@@ -378,9 +379,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
                     if (has_new) {
                         const int s = page_t0 + r * kTokensPerIter + tok0 - new_begin;  // < Sq: t < hi <= ctx_eff
                         if (s >= 0 && s_slot[s] >= 0) {
-                            const size_t off = ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + chunk * 8;
-                            kr = new_key + off;
-                            vr = new_value + off;
+                            kr = new_key + new_row(s, chunk);
+                            vr = new_value + new_row(s, chunk);
                         }
                     }
                     ptx::cp_async_16(sk + row, kr);
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
                 if (fused && s >= 0 && s_slot[s] >= 0) {  // a new token: from the fused write's input
                     ksrc = new_key;
                     vsrc = new_value;
-                    off = ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + c * 8;
+                    off = new_row(s, c);
                 } else if (page < 0 || page >= p.num_blocks) {
                     s_bad = 1;  // every writer stores 1: the race is benign
                     valid = false;

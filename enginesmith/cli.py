@@ -529,5 +529,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The `enginesmith` command: main(), then exit with its status. After an interrupt the process
+    leaves at once (os._exit) once its message is out, skipping interpreter shutdown (atexit hooks,
+    the worker threads of torch and ONNX Runtime): a full-suite run under load saw such a process,
+    its "interrupted" line printed, end by SIGINT (-2) instead of exit status 130."""
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: nothing more to say
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

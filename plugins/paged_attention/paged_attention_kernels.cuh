@@ -158,8 +158,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     static_assert(D % 16 == 0 && D <= 256, "head size must be a multiple of 16, at most 256");
     static_assert(kTileTokens % BS == 0, "a tile must cover whole pages");
     static_assert(kWarps * 16 == kTileTokens, "each warp takes 16 tokens of a tile");
-    // The epilogue reuses the K stages as a float [kWarps][16][D] merge buffer.
-    static_assert(kWarps * kRowsPerCta * D * sizeof(float) <= kStages * kTileTokens * smem_stride<D>() * sizeof(T),
+    // The epilogue reuses the K stages as a float [kWarps][16][kOStride] merge buffer. Its rows are
+    // padded by 8 floats: a warp's float2 stores (8 rows x 4 column pairs) then fall into distinct bank
+    // groups (unpadded, the 8 rows shared 2 banks: 8-way conflicts, ~0.5 us per block on an H200).
+    constexpr int kOStride = D + 8;
+    static_assert(kWarps * kRowsPerCta * kOStride * sizeof(float) <= kStages * kTileTokens * smem_stride<D>() * sizeof(T),
         "merge buffer does not fit in the K stages");
     constexpr int kStride = smem_stride<D>();
     constexpr int kChunks = D / 8;  // 16-byte chunks per token row of one head
@@ -606,15 +609,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         s_row_sum[threadIdx.x] = sum;
     }
     __syncthreads();
-    float* sO = reinterpret_cast<float*>(sK);  // [kWarps][16][D]: warp w's rows (kMT > 1: block rows 16w..)
+    float* sO = reinterpret_cast<float*>(sK);  // [kWarps][16][kOStride]: warp w's rows (kMT > 1: block rows 16w..)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = gid + 8 * i;
-        const float f = m_run[i] == -INFINITY ? 0.f : exp2f(m_run[i] - s_row_max[(kMT == 1 ? 0 : warp * 16) + r]);
+        const int block_row = (kMT == 1 ? 0 : warp * 16) + r;
+        if (row0 + block_row >= rows_total) continue;  // padding rows: never read (decode G = 4: 12 of 16)
+        const float f = m_run[i] == -INFINITY ? 0.f : exp2f(m_run[i] - s_row_max[block_row]);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             float2 v = make_float2(o[n][2 * i] * f, o[n][2 * i + 1] * f);
-            *reinterpret_cast<float2*>(sO + (warp * kRowsPerCta + r) * D + n * 8 + tig * 2) = v;
+            *reinterpret_cast<float2*>(sO + (warp * kRowsPerCta + r) * kOStride + n * 8 + tig * 2) = v;
         }
     }
     __syncthreads();
@@ -624,27 +629,25 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         atomicOr(p.error_flag, (bad_ctx ? kErrorContextLen : 0) | (s_bad ? kErrorBlockTable : 0) |
                                    (s_bad_slot ? kErrorSlotMapping : 0));
     const float nan = __int_as_float(0x7fc00000);
-    for (int idx = threadIdx.x; idx < kRows * D / 4; idx += kThreads) {
+    const int valid_rows = min(kRows, rows_total - row0);  // the block's rows past the padding
+    for (int idx = threadIdx.x; idx < valid_rows * (D / 4); idx += kThreads) {
         const int r = idx / (D / 4);
         const int d = (idx % (D / 4)) * 4;
-        const int row = row0 + r;
-        if (row >= rows_total) continue;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         if constexpr (kMT == 1) {
 #pragma unroll
             for (int w = 0; w < kWarps; ++w) {
-                const float4 v = *reinterpret_cast<float4 const*>(sO + (w * kRowsPerCta + r) * D + d);
+                const float4 v = *reinterpret_cast<float4 const*>(sO + (w * kRowsPerCta + r) * kOStride + d);
                 acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
             }
         } else {
-            acc = *reinterpret_cast<float4 const*>(sO + r * D + d);
+            acc = *reinterpret_cast<float4 const*>(sO + r * kOStride + d);
         }
         const float sum = s_row_sum[r];
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
         if (bad) acc = make_float4(nan, nan, nan, nan);
-        const int s_idx = row / group, g = row % group;
-        const size_t out_row = (static_cast<size_t>(b) * p.query_len + s_idx) * p.num_heads + kvh * group + g;
+        const size_t out_row = s_out_row[r];  // (b, s, h) of this row, set at the start
         if (num_splits == 1) {
             uint2 packed;
             packed.x = ptx::pack2<T>(acc.x, acc.y);

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from enginesmith import engine_dir
 from enginesmith.errors import UserError
+from enginesmith.manifest import Manifest
 
 MODEL_SHIM = '''"""Triton python-backend model written by `enginesmith triton`; the logic lives in the package."""
 from enginesmith.deploy.triton_model import TritonPythonModel  # noqa: F401
@@ -125,17 +126,17 @@ def config_pbtxt(model_name: str, parameters: Mapping[str, str]) -> str:
             f"{params}")
 
 
-def _trt_parameters(root: Path, manifest: dict) -> dict[str, str]:
+def _trt_parameters(root: Path, manifest: Manifest) -> dict[str, str]:
     """Plan and plugin library paths of a TensorRT engine, checked to exist now, not at load."""
-    backend = manifest.get("backend", {})
-    plan = root / backend.get("plan", "model.plan")
+    backend = manifest.backend
+    plan = root / (backend.plan or "model.plan")
     if not plan.is_file():
         raise UserError(f"TensorRT engine {root} has no plan file {plan.name}", "rebuild the engine")
     plugins = []
-    for entry in backend.get("plugins", []):
-        lib = root / entry["file"]
+    for entry in backend.plugins:
+        lib = root / entry.file
         if not lib.is_file():
-            raise UserError(f"plugin library {entry['file']} named by {root}/build.json is missing",
+            raise UserError(f"plugin library {entry.file} named by {root}/build.json is missing",
                             "rebuild the engine, or copy the plugin library back into the engine directory")
         plugins.append(str(lib.resolve()))
     return {"TRT_PLAN": str(plan.resolve()), "TRT_PLUGINS": ",".join(plugins)}
@@ -151,6 +152,13 @@ def _place_engine(src: Path, dst: Path) -> None:
         return d
 
     shutil.copytree(src, dst, copy_function=link_or_copy)
+
+
+def _is_model_written_here(path: Path) -> bool:
+    """What `triton --force` may replace: a model directory this command wrote (its shim, unchanged)."""
+    shim = path / "1" / "model.py"
+    return (path / "config.pbtxt").is_file() and shim.is_file() and not shim.is_symlink() \
+        and shim.stat().st_size < 1 << 16 and shim.read_text(errors="replace") == MODEL_SHIM
 
 
 def write_model_repository(engine: str | Path, out_repo: str | Path, model_name: str = "enginesmith",
@@ -173,7 +181,7 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
     if workers < 1 or threads < 0 or max_tokens < 1:
         raise UserError("workers must be >= 1, threads >= 0 and max_tokens >= 1", "fix the values")
     manifest = engine_dir.verify(engine, hashes=verify_hashes)
-    backend = manifest.get("backend", {}).get("name")
+    backend = manifest.backend.name
     if backend not in ("onnxruntime", "tensorrt"):
         raise UserError(f"engine {engine} is for backend {backend!r}, which the Triton model cannot serve",
                         "build it with `enginesmith build --backend ort` or `--backend trt`")
@@ -184,8 +192,8 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
     if backend == "tensorrt":
         params.update(_trt_parameters(engine, manifest))
         if copy_engine:  # point at the copies, relative to the version directory
-            params["TRT_PLAN"] = "1/engine/" + manifest["backend"].get("plan", "model.plan")
-            params["TRT_PLUGINS"] = ",".join("1/engine/" + e["file"] for e in manifest["backend"].get("plugins", []))
+            params["TRT_PLAN"] = "1/engine/" + (manifest.backend.plan or "model.plan")
+            params["TRT_PLUGINS"] = ",".join("1/engine/" + e.file for e in manifest.backend.plugins)
     if execution_env is not None:
         env = Path(execution_env).resolve()
         if not (env.is_dir() and (env / "bin" / "python3").exists()) and not env.name.endswith((".tar.gz", ".tgz")):
@@ -195,7 +203,8 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
     out_repo = Path(out_repo)
     out_repo.mkdir(parents=True, exist_ok=True)
     target = out_repo / model_name
-    with engine_dir.write_atomically(target, overwrite=force) as tmp:
+    with engine_dir.write_atomically(target, overwrite=force, replaceable=_is_model_written_here,
+                                     kind="a model directory `enginesmith triton` wrote") as tmp:
         (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, params))
         (tmp / "1").mkdir()
         (tmp / "1" / "model.py").write_text(MODEL_SHIM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sys
 import threading
@@ -103,8 +104,11 @@ def _stages(names: list[str], enabled: bool = True):
         bar.close()
 
 
-def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = True) -> Path:
-    """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted."""
+def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = True, locked: bool = False,
+          replace_any: bool = False) -> Path:
+    """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted.
+    Another build writing `out` at the same time is refused (`locked`: the caller holds its lock).
+    `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache)."""
     import onnxruntime as ort
     import torch
     import transformers
@@ -124,7 +128,9 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     report: list[dict] = []
     trt = config.backend == "trt"
     names = ["load", "export"] + ["passes"] * bool(steps) + ["tokenizer"] + ["tensorrt"] * trt + ["manifest"]
-    with engine_dir.write_atomically(out, overwrite=force) as tmp, _stages(names, progress) as stage:
+    with engine_dir.write_atomically(
+            out, overwrite=force, locked=locked,
+            replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp, _stages(names, progress) as stage:
         stage("load model")
         loaded = models.load(source)
         kv_layout = _kv_layout(config, KVShape.of(loaded.model.config).max_positions)
@@ -262,11 +268,29 @@ def default_engine_path(config: BuildConfig) -> Path:
 def cached_engine(config: BuildConfig, progress: bool = True) -> Path:
     """The engine for `config` from the cache, building it first if it is not there yet."""
     path = default_engine_path(config)
-    if not (path / engine_dir.MANIFEST).is_file():
+    if _cached_usable(path, notice=False):
+        return path
+    with engine_dir.lock(path, wait=True):  # another process building the same engine: wait for it
+        if _cached_usable(path, notice=True):
+            return path
         print(f"Building the engine for {config.model or 'the default model (SmolLM2-135M-Instruct)'} "
               f"once; it is cached in {path}")
-        build(config, path, force=path.exists(), progress=progress)
+        build(config, path, force=True, progress=progress, locked=True, replace_any=True)
     return path
+
+
+def _cached_usable(path: Path, notice: bool) -> bool:
+    """Whether the cached engine at `path` has a build.json this enginesmith reads; a stale or broken
+    one is rebuilt (with a notice) by the caller. Its files are verified when it is opened."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        engine_dir.read_manifest(path)
+        return True
+    except UserError as exc:
+        if notice:
+            print(f"notice: the cached engine {path} is unusable ({exc.what}); rebuilding it", file=sys.stderr)
+        return False
 
 
 GQA_IO = "gqa-shared-buffer"
@@ -297,10 +321,10 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     from enginesmith.passes import parse_pipeline, run_pipeline
 
     src, out = Path(src), Path(out)
-    manifest = engine_dir.verify(src)
-    if manifest.get("kv_layout", {}).get("io") == GQA_IO:
+    manifest = engine_dir.verify(src, onnx_graph=True)
+    if manifest.kv_layout.io == GQA_IO:
         raise UserError(f"{src} is already lowered for CUDA", "lower the engine it was built from")
-    capacity = capacity or int(manifest["model"]["max_positions"])
+    capacity = capacity or manifest.model.max_positions
     steps = f"lower_gqa:capacity={capacity},skip_rmsnorm"
     if quant == "w4a16":
         lm_head = ",untie_lm_head" if quantize_lm_head else ""
@@ -316,17 +340,17 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
         steps += ",ort_gemv" + (",ort_attention" if custom_attention else "")
     with engine_dir.write_atomically(out, overwrite=force) as tmp:
         # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
-        report = run_pipeline(src / manifest["graph"], tmp / "model.onnx", steps, progress=progress,
-                              verify_exact=manifest.get("precision") == "fp32")
+        report = run_pipeline(src / manifest.graph, tmp / "model.onnx", steps, progress=progress,
+                              verify_exact=manifest.precision == "fp32")
         shutil.copytree(src / "tokenizer", tmp / "tokenizer")
-        lowered = {k: v for k, v in manifest.items() if k not in ("files", "created")}
+        lowered = {k: v for k, v in manifest.raw.items() if k not in ("files", "created", "format_version")}
         lowered.update(
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
-            passes=list(manifest.get("passes", [])) + [step.spec() for step in parse_pipeline(steps)],
+            passes=list(manifest.passes) + [step.spec() for step in parse_pipeline(steps)],
             pass_counts={e["name"]: e["counts"] for e in report},
             kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity},
             lowered_from=str(src))
         if quant:
-            lowered["precision"] = f"{manifest.get('precision')}+{quant}"
+            lowered["precision"] = f"{manifest.precision}+{quant}"
         engine_dir.write_manifest(tmp, lowered)
     return out

@@ -11,11 +11,13 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from enginesmith import __version__
-from enginesmith.errors import EXIT_INTERRUPTED, UserError
+from enginesmith.engine_dir import Terminated
+from enginesmith.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UserError
 
 
 # ----------------------------------------------------------------------------- shared flags
@@ -115,7 +117,7 @@ def _open(args, config=None):
     from enginesmith import engine_dir
     from enginesmith.build import GQA_IO
 
-    if engine_dir.read_manifest(path).get("kv_layout", {}).get("io") == GQA_IO:  # lowered for ORT CUDA
+    if engine_dir.read_manifest(path).kv_layout.io == GQA_IO:  # lowered for ORT CUDA
         from enginesmith.runtime.ort_cuda import open_gqa_engine
 
         return open_gqa_engine(path, device=args.device, max_batch=max(1, len(getattr(args, "prompt", []) or [])))
@@ -279,7 +281,7 @@ def _chat_stream(loaded, config, system: str | None) -> int:
     def reset():
         session[0] = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
 
-    return _repl(f"enginesmith chat (ring KV cache: {kv['sinks']} sinks + {kv['window']} recent tokens, "
+    return _repl(f"enginesmith chat (ring KV cache: {kv.sinks} sinks + {kv.window} recent tokens, "
                  "constant memory): type a message; /reset starts over, /exit or Ctrl-D quits.",
                  lambda line: session[0].turn(line), reset)
 
@@ -505,9 +507,15 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     debug = os.environ.get("ENGINESMITH_DEBUG") == "1"
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)  # clean up like Ctrl-C (temp dirs, partial outputs)
     try:
         return args.func(args) or 0
     except UserError as exc:
@@ -515,10 +523,12 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late second interrupt must not change the exit status
-        print("\ninterrupted (nothing half-written was kept)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a late second signal must not change the exit status
+            signal.signal(sig, signal.SIG_IGN)
+        terminated = isinstance(exc, Terminated)
+        print(f"\n{'terminated' if terminated else 'interrupted'} (nothing half-written was kept)", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug of ours: one line, and how to see more
@@ -527,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
               "(fix: rerun with ENGINESMITH_DEBUG=1 and report the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run() -> None:
@@ -535,7 +548,7 @@ def run() -> None:
     the worker threads of torch and ONNX Runtime): a full-suite run under load saw such a process,
     its "interrupted" line printed, end by SIGINT (-2) instead of exit status 130."""
     code = main()
-    if code == EXIT_INTERRUPTED:
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -6,10 +6,12 @@ it as one line, ``error: <what> (fix: <how>)``, and exits with its code; it neve
 
 from __future__ import annotations
 
-# Exit codes: 0 ok, 1 internal error, 2 bad usage/input, 3 engine directory invalid, 130 interrupted.
+# Exit codes: 0 ok, 1 internal error, 2 bad usage/input, 3 engine directory invalid, 130 interrupted,
+# 143 terminated (SIGTERM).
 EXIT_USAGE = 2
 EXIT_ENGINE = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143   # SIGTERM, cleaned up like Ctrl-C
 
 
 class UserError(Exception):

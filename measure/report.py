@@ -9,11 +9,11 @@ from __future__ import annotations
 from enginesmith.measure import speed
 
 
-def source_model(manifest: dict):
+def source_model(manifest):
     """The fp32 PyTorch model an engine was built from (for --compare hf)."""
     from enginesmith.models import load as models
 
-    return models.load(manifest["source"]["path"]).model
+    return models.load(manifest.source.path).model
 
 
 COMPARE = ("hf", "hf-compile")
@@ -26,7 +26,7 @@ def hf_model(loaded):
 
     model = source_model(loaded.manifest)
     if getattr(loaded.engine, "device", "cpu") == "cuda":
-        precision = str(loaded.manifest.get("precision", "fp32"))
+        precision = (loaded.manifest.precision or "fp32")
         dtype = torch.bfloat16 if precision.startswith("bf16") else \
             torch.float16 if precision.startswith("fp16") else torch.float32
         model = model.to("cuda", dtype=dtype)
@@ -52,8 +52,8 @@ def bench(loaded, prompt_tokens: int, new_tokens: int, batch: int, repeats: int,
         raise UserError(f"prompt {prompt_tokens} + new {new_tokens} tokens exceed the context of "
                         f"{loaded.max_positions}", "use fewer --prompt-tokens/--new-tokens")
     result = {
-        "model": loaded.manifest["source"]["name"], "engine": str(loaded.path),
-        "precision": loaded.manifest.get("precision"), "batch": batch,
+        "model": loaded.manifest.source.name, "engine": str(loaded.path),
+        "precision": loaded.manifest.precision, "batch": batch,
         "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "enginesmith": speed.bench_engine(loaded.engine, prompt=prompt, new_tokens=new_tokens,
                                           warmup=1, repeats=repeats),
@@ -79,13 +79,13 @@ def bench(loaded, prompt_tokens: int, new_tokens: int, batch: int, repeats: int,
 def engine_bound(loaded, tok_s: float, batch: int, context: int) -> dict:
     """speed.bandwidth_bound for this engine: its graph's weight bytes, its KV shape and dtype at
     `context` positions, the copy bandwidth of the device it runs on."""
-    m = loaded.manifest["model"]
+    m = loaded.manifest.model
     device = getattr(loaded.engine, "device", "cpu")
     bandwidth = speed.measure_copy_bandwidth()
     gbs = bandwidth.get("cuda_gbs") if device == "cuda" else bandwidth["cpu_gbs"]
-    kv_bytes = 2 if str(loaded.manifest.get("precision", "fp32")).startswith(("fp16", "bf16")) else 4
-    out = speed.bandwidth_bound(speed.onnx_weight_bytes(loaded.path / loaded.manifest["graph"]), gbs,
-                                layers=m["layers"], kv_heads=m["kv_heads"], head_dim=m["head_dim"],
+    kv_bytes = 2 if (loaded.manifest.precision or "fp32").startswith(("fp16", "bf16")) else 4
+    out = speed.bandwidth_bound(speed.onnx_weight_bytes(loaded.path / loaded.manifest.graph), gbs,
+                                layers=m.layers, kv_heads=m.kv_heads, head_dim=m.head_dim,
                                 context=context, batch=batch, kv_bytes=kv_bytes, measured_tok_s=tok_s)
     return out | {"device": device, "context": context}
 
@@ -125,7 +125,7 @@ def eval_ppl(loaded, text_path: str | None, novel: str, tokens: int, window: int
                         f"use --window <= {loaded.max_positions}")
     text = corpus.load_text(text_path, novel=novel)
     ids = perplexity.tokenize(loaded.tokenizer, text, tokens)
-    result = {"model": loaded.manifest["source"]["name"], "precision": loaded.manifest.get("precision"),
+    result = {"model": loaded.manifest.source.name, "precision": loaded.manifest.precision,
               "text": text_path or f"austen:{novel}",
               **perplexity.perplexity(perplexity.ort_logits_fn(loaded.engine), ids, window=window)}
     if compare_hf:

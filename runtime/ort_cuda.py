@@ -506,7 +506,7 @@ def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, 
     from enginesmith.runtime.tokenizer import Tokenizer
 
     path = Path(path)
-    manifest = engine_dir.verify(path, lambda m: None)
-    engine = GqaEngine(path / manifest["graph"], device=device, max_batch=max_batch,
-                       capacity=capacity or manifest.get("kv_layout", {}).get("capacity"), cuda_graph=cuda_graph)
+    manifest = engine_dir.verify(path, onnx_graph=True)
+    engine = GqaEngine(path / manifest.graph, device=device, max_batch=max_batch,
+                       capacity=capacity or manifest.kv_layout.capacity, cuda_graph=cuda_graph)
     return LoadedEngine(path, manifest, engine, Tokenizer(path / "tokenizer"))

@@ -37,6 +37,7 @@ import numpy as np
 
 from enginesmith import engine_dir
 from enginesmith.errors import EngineError, UserError
+from enginesmith.manifest import KVLayout, Manifest
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -294,35 +295,30 @@ def _write_atomic(path: Path, data: memoryview) -> None:
 
 # ----------------------------------------------------------------------------- load
 
-def check_manifest(manifest: dict, sm: str | None, trt_version: str | None) -> None:
+def check_manifest(manifest: Manifest, sm: str | None, trt_version: str | None) -> None:
     """Refuse an engine this machine cannot run, saying why and what to do (no TensorRT needed)."""
-    backend = manifest.get("backend", {})
-    if backend.get("name") != "tensorrt":
-        raise EngineError(f"this engine was built for backend {backend.get('name')!r}, not TensorRT",
+    backend = manifest.backend
+    if backend.name != "tensorrt":
+        raise EngineError(f"this engine was built for backend {backend.name!r}, not TensorRT",
                           "open it with the ONNX Runtime runtime, or rebuild with `enginesmith build --backend trt`")
-    if trt_version is not None and backend.get("version") != trt_version \
-            and "VERSION_COMPATIBLE" not in backend.get("flags", []):
-        raise EngineError(f"the plan was built with TensorRT {backend.get('version')}, this is TensorRT {trt_version}",
-                          f"rebuild the engine here, or install TensorRT {backend.get('version')}")
-    built_sm = backend.get("sm")
+    if trt_version is not None and backend.version != trt_version and "VERSION_COMPATIBLE" not in backend.flags:
+        raise EngineError(f"the plan was built with TensorRT {backend.version}, this is TensorRT {trt_version}",
+                          f"rebuild the engine here, or install TensorRT {backend.version}")
+    built_sm = backend.sm
     if sm is None:
         raise EngineError("this TensorRT engine needs a CUDA GPU and none is visible",
                           "run it on the GPU it was built for, or use an ONNX Runtime engine")
     if built_sm != sm:
-        compat = backend.get("hardware_compatibility", "none")
+        compat = backend.hardware_compatibility
         ok = (compat == "ampere_plus" and float(sm) >= 8.0) or \
              (compat == "same_compute_capability" and built_sm and sm.split(".")[0] == built_sm.split(".")[0])
         if not ok:
-            raise EngineError(f"the plan was built for SM {built_sm} ({backend.get('device', '?')}), this GPU is SM {sm}",
+            raise EngineError(f"the plan was built for SM {built_sm} ({backend.device or '?'}), this GPU is SM {sm}",
                               "rebuild the engine on this GPU (TensorRT plans are specific to the GPU architecture)")
-    files = manifest.get("files", {})
-    for entry in backend.get("plugins", []):
-        if entry.get("file") not in files:
-            raise EngineError(f"plugin library {entry.get('file')} is not listed in build.json's files",
-                              "rebuild the engine")
-    if backend.get("weights") == "refit-from-onnx" and manifest.get("graph") not in files:
-        raise EngineError("the plan was built without weights and the ONNX graph to refit from is missing",
-                          "rebuild the engine")
+    if backend.plan is None or backend.max_batch is None or backend.max_input is None \
+            or backend.max_positions is None:
+        raise EngineError("build.json's TensorRT backend lacks plan, max_batch, max_input or max_positions",
+                          "rebuild the engine with `enginesmith build --backend trt`")
 
 
 @dataclass
@@ -330,22 +326,21 @@ class LoadedTrtEngine:
     """The TensorRT counterpart of runtime.load.LoadedEngine (same fields and properties)."""
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     engine: "TrtEngine"
     tokenizer: Any
 
     @property
     def max_positions(self) -> int:
-        return min(int(self.manifest["model"]["max_positions"]),
-                   int(self.manifest["backend"].get("max_positions", 1 << 30)))
+        return self.manifest.max_positions
 
     @property
     def pad_id(self) -> int:
-        return int(self.manifest["model"].get("pad_token_id") or 0)
+        return self.manifest.model.pad_token_id or 0
 
     @property
-    def kv_layout(self) -> dict:
-        return dict(self.manifest.get("kv_layout", {"type": "dense"}))
+    def kv_layout(self) -> KVLayout:
+        return self.manifest.kv_layout
 
     @property
     def context_limit(self) -> int | None:
@@ -363,7 +358,7 @@ def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), veri
     path = Path(path)
     manifest = engine_dir.read_manifest(path)
     check_manifest(manifest, current_sm(), None)  # clear errors before TensorRT is even imported
-    libraries = list(plugin_libraries) or [str(path / e["file"]) for e in manifest["backend"].get("plugins", [])]
+    libraries = list(plugin_libraries) or [str(path / e.file) for e in manifest.backend.plugins]
     for lib in libraries:
         if not Path(lib).is_file():
             raise EngineError(f"plugin library {lib} is missing", "rebuild the engine or restore the library")
@@ -372,24 +367,25 @@ def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), veri
 
     manifest = engine_dir.verify(path, lambda m: check_manifest(m, current_sm(), str(trt.__version__)),
                                  hashes=verify_hashes)
-    backend = manifest["backend"]
+    backend = manifest.backend
+    assert backend.plan and backend.max_batch and backend.max_input and backend.max_positions  # check_manifest
     logger = trt.Logger(trt.Logger.WARNING)
     _load_plugins(libraries)
     runtime = trt.Runtime(logger)
-    cuda_engine = runtime.deserialize_cuda_engine((path / backend["plan"]).read_bytes())
+    cuda_engine = runtime.deserialize_cuda_engine((path / backend.plan).read_bytes())
     if cuda_engine is None:
-        raise EngineError(f"TensorRT could not deserialize {path / backend['plan']}",
+        raise EngineError(f"TensorRT could not deserialize {path / backend.plan}",
                           "rebuild the engine with this TensorRT and plugin library")
-    if backend.get("weights") == "refit-from-onnx":
+    if backend.weights == "refit-from-onnx":
         refitter = trt.Refitter(cuda_engine, logger)
         onnx_refitter = trt.OnnxParserRefitter(refitter, logger)
-        if not onnx_refitter.refit_from_file(str(path / manifest["graph"])) or not refitter.refit_cuda_engine():
-            raise EngineError(f"refitting the weights of {path} from {manifest['graph']} failed",
+        if not onnx_refitter.refit_from_file(str(path / manifest.graph)) or not refitter.refit_cuda_engine():
+            raise EngineError(f"refitting the weights of {path} from {manifest.graph} failed",
                               "rebuild the engine (the graph and the stripped plan do not match)")
-    if backend.get("weight_streaming") and weight_budget_bytes is not None:
+    if backend.weight_streaming and weight_budget_bytes is not None:
         cuda_engine.weight_streaming_budget_v2 = weight_budget_bytes
-    engine = TrtEngine(cuda_engine, max_batch=int(backend["max_batch"]), max_input=int(backend["max_input"]),
-                       capacity=int(backend["max_positions"]), cuda_graphs=cuda_graphs)
+    engine = TrtEngine(cuda_engine, max_batch=backend.max_batch, max_input=backend.max_input,
+                       capacity=backend.max_positions, cuda_graphs=cuda_graphs)
     return LoadedTrtEngine(path, manifest, engine, Tokenizer(path / "tokenizer"))
 
 

@@ -104,7 +104,7 @@ def test_engine_built_for_another_backend(engine_copy):
 
 def test_existing_output_needs_force(engine_copy):
     result = cli("build", "--model", "tiny:llama", "--out", str(engine_copy))
-    assert_one_line_error(result, 3, "already exists", "--force")
+    assert_one_line_error(result, 2, "already exists", "--force")
 
 
 def test_ctrl_c_during_build_leaves_nothing(tmp_path):

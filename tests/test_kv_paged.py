@@ -445,7 +445,7 @@ def test_paged_engine_from_build_generates_like_the_dense_engine(tiny_engine):
     paged = open_engine(cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged", page_size=16),
                                       progress=False), device="cpu")
     dense = open_engine(tiny_engine("llama"), device="cpu")
-    assert paged.manifest["kv_layout"] == {"type": "paged", "page_size": 16, "capacity": 512}
+    assert paged.manifest.kv_layout.as_dict() == {"type": "paged", "page_size": 16, "capacity": 512}
     assert paged.engine.kv_layout == "paged"
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     cfg = GenerationConfig(max_new_tokens=20)

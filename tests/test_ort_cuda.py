@@ -51,8 +51,8 @@ def test_manifest_and_open(lowered):
 
     loaded = open_gqa_engine(lowered["fp32"][1], device="cpu", max_batch=2)
     assert isinstance(loaded.engine, GqaEngine)
-    assert loaded.manifest["kv_layout"] == {"type": "dense", "io": "gqa-shared-buffer", "capacity": 128}
-    assert any(p.startswith("lower_gqa") for p in loaded.manifest["passes"])
+    assert loaded.manifest.kv_layout.as_dict() == {"type": "dense", "io": "gqa-shared-buffer", "capacity": 128}
+    assert any(p.startswith("lower_gqa") for p in loaded.manifest.passes)
     assert loaded.engine.kv.shape == (2, 2, 2, 2, 128, 16)  # one buffer: [L, K|V, B, Hkv, C, D]
 
 

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     tokens = sum(r["new_tokens"] for r in rows)
     result = {
         "benchmark": "prompt-lookup speculative decoding, input-grounded (quote / correct a passage)",
-        "model": loaded.manifest["source"]["name"], "precision": loaded.manifest.get("precision"),
+        "model": loaded.manifest.source.name, "precision": loaded.manifest.precision,
         "engine": type(engine).__name__, "device": args.device, "device_name": _device_name(args.device),
         "threads": args.threads, "k": args.k, "max_tokens": args.max_tokens, "prompts": len(rows),
         "all_identical": all(r["identical"] for r in rows), "tokens": tokens,

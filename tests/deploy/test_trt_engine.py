@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from enginesmith import engine_dir
+from enginesmith import manifest as manifest_schema
 from enginesmith.deploy import jetson, trt_lint
 from enginesmith.errors import EngineError, UserError
 from enginesmith.runtime import trt_engine
@@ -21,11 +22,17 @@ INPUTS = {"input_ids": (-1, -1), "attention_mask": (-1, -1), "position_ids": (-1
           "past_key_values.0.key": (-1, 3, -1, 64), "past_key_values.0.value": (-1, 3, -1, 64)}
 
 
-def trt_manifest(**backend) -> dict:
-    return {"graph": "model.onnx", "model": {"max_positions": 8192},
-            "files": {"model.onnx": "x", "model.plan": "y", "plugins/libp.so": "z"},
+def trt_manifest_dict(**backend) -> dict:
+    record = {"sha256": "0" * 64, "size": 1}
+    return {"format_version": manifest_schema.FORMAT_VERSION, "graph": "model.onnx", "model": {"max_positions": 8192},
+            "files": {"model.onnx": record, "model.plan": record, "plugins/libp.so": record},
             "backend": {"name": "tensorrt", "version": "10.15.1", "sm": "9.0", "device": "NVIDIA H100",
-                        "plan": "model.plan", "plugins": [{"file": "plugins/libp.so"}], **backend}}
+                        "plan": "model.plan", "plugins": [{"file": "plugins/libp.so"}],
+                        "max_batch": 1, "max_input": 8, "max_positions": 64, **backend}}
+
+
+def trt_manifest(**backend):
+    return manifest_schema.parse(trt_manifest_dict(**backend))
 
 
 def test_profiles_cover_prefill_and_decode():
@@ -66,10 +73,10 @@ def test_build_config_is_validated(kwargs, match):
 
 
 def test_manifest_for_another_backend_is_refused():
-    m = trt_manifest()
+    m = trt_manifest_dict()
     m["backend"] = {"name": "onnxruntime", "version": "1.32.0"}
     with pytest.raises(EngineError, match="built for backend 'onnxruntime'"):
-        check_manifest(m, "9.0", "10.15.1")
+        check_manifest(manifest_schema.parse(m), "9.0", "10.15.1")
 
 
 def test_manifest_for_another_sm_is_refused():
@@ -87,10 +94,10 @@ def test_manifest_for_another_tensorrt_or_no_gpu_is_refused():
 
 
 def test_manifest_with_unlisted_plugin_library_is_refused():
-    m = trt_manifest()
+    m = trt_manifest_dict()
     del m["files"]["plugins/libp.so"]
-    with pytest.raises(EngineError, match="plugin library plugins/libp.so"):
-        check_manifest(m, "9.0", "10.15.1")
+    with pytest.raises(EngineError, match="backend file 'plugins/libp.so' is not listed"):
+        manifest_schema.parse(m)
 
 
 def _trt_engine_dir(root: Path, sm: str = "9.0") -> Path:
@@ -217,7 +224,7 @@ def test_build_and_run_tiny_llama_matches_onnxruntime(tiny_engine, tmp_path):
     out = tmp_path / "trt"
     import shutil
     shutil.copytree(src, out)
-    manifest = engine_dir.read_manifest(out)
+    manifest = dict(engine_dir.read_manifest(out).raw)
     manifest["backend"] = trt_engine.build_plan(out / "model.onnx", out, TrtBuildConfig(max_batch=2, max_input=64,
                                                                                          max_positions=256))
     manifest.pop("files")

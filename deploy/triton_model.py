@@ -111,18 +111,11 @@ def request_settings(values: Mapping[str, Any], default_max_tokens: int = DEFAUL
 
 def _open(path: Path, options: ModelOptions, params: Mapping[str, str]) -> Any:
     """LoadedEngine for an ONNX Runtime or TensorRT engine directory."""
-    from enginesmith import engine_dir
-
-    manifest = engine_dir.read_manifest(path)
-    if manifest.get("backend", {}).get("name") == "tensorrt":
-        from enginesmith.runtime.trt_engine import open_trt_engine
-
-        plugins = [p for p in params.get("TRT_PLUGINS", "").split(",") if p]
-        return open_trt_engine(path, plugin_libraries=plugins, verify_hashes=options.verify_hashes)
     from enginesmith.runtime.load import open_engine
 
+    plugins = [p for p in params.get("TRT_PLUGINS", "").split(",") if p]
     return open_engine(path, device=options.device, threads=options.threads or None,
-                       verify_hashes=options.verify_hashes)
+                       verify_hashes=options.verify_hashes, plugin_libraries=plugins)
 
 
 class TritonPythonModel:
@@ -148,7 +141,7 @@ class TritonPythonModel:
                                        for p in params[key].split(","))
         self.loaded = _open(path, self.options, params)
         # A TensorRT engine has one execution context and static buffers: one generation at a time.
-        trt = self.loaded.manifest.get("backend", {}).get("name") == "tensorrt"
+        trt = self.loaded.manifest.backend.name == "tensorrt"
         self.exclusive: Any = threading.Lock() if trt else contextlib.nullcontext()
         self.stop_ids = stop_token_ids(self.loaded.tokenizer, self.loaded.manifest)
         self.requests: queue.Queue = queue.Queue()

@@ -23,9 +23,9 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False, system: str | None 
     return encode_chat(tokenizer, messages)
 
 
-def stop_token_ids(tokenizer, manifest: dict) -> tuple[int, ...]:
+def stop_token_ids(tokenizer, manifest) -> tuple[int, ...]:
     """End-of-sequence ids of the model and of the chat template's turn end."""
-    ids = set(manifest.get("model", {}).get("eos_token_ids", []))
+    ids = set(manifest.model.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     for token in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):

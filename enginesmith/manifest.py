@@ -87,6 +87,7 @@ class KVLayout:
     window: int | None = None
     page_size: int | None = None
     io: str | None = None       # "gqa-shared-buffer": lowered for ONNX Runtime CUDA's decode loop
+    max_batch: int | None = None  # rows of a CUDA engine's KV buffer (build --for-cuda --max-batch)
 
     def as_dict(self) -> dict:
         """The layout as build.json writes it (fields that are set)."""
@@ -240,7 +241,8 @@ def _kv_layout(data: _Fields) -> KVLayout:
     kind = kv.get("type", lambda v: v in KV_TYPES, f"one of {', '.join(KV_TYPES)}", "dense")
     io = kv.get("io", lambda v: v == "gqa-shared-buffer", "'gqa-shared-buffer' or absent")
     layout = KVLayout(type=kind, capacity=kv.integer("capacity", 1), sinks=kv.integer("sinks", 0),
-                      window=kv.integer("window", 1), page_size=kv.integer("page_size", 1), io=io)
+                      window=kv.integer("window", 1), page_size=kv.integer("page_size", 1), io=io,
+                      max_batch=kv.integer("max_batch", 1))
     if kind == "ring" and (layout.sinks is None or layout.window is None):
         raise ManifestError("field 'kv_layout' of type ring needs integer 'sinks' and 'window'", "rebuild the engine")
     if kind == "paged" and layout.page_size is None:

@@ -6,11 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import onnxruntime as ort
-
 from enginesmith import engine_dir
 from enginesmith.errors import EngineError
 from enginesmith.manifest import KVLayout, Manifest
+from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
 from enginesmith.runtime.tokenizer import Tokenizer
 
@@ -40,6 +39,11 @@ class LoadedEngine:
         return None if self.kv_layout.type == "ring" else self.max_positions
 
 
+# Every exception type ONNX Runtime's binding raises (all plain Exception subclasses).
+ORT_ERRORS = tuple(t for t in vars(ort.capi.onnxruntime_pybind11_state).values()
+                   if isinstance(t, type) and issubclass(t, Exception))
+
+
 def check_backend(manifest: Manifest) -> None:
     if manifest.backend.name != "onnxruntime":
         raise EngineError(f"this engine was built for backend {manifest.backend.name!r}; this runtime runs "
@@ -65,7 +69,7 @@ def open_engine(path: str | Path, device: str = "auto", threads: int | None = No
                           "use --device cuda with onnxruntime-gpu, or build with --dtype fp16 or fp32 for CPU")
     try:
         engine = OrtEngine(path / manifest.graph, device=device, threads=threads)
-    except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # e.g. opset newer than this ORT
+    except ORT_ERRORS as exc:  # e.g. an opset newer than this ORT, or a graph that does not run
         built = manifest.backend.version or "another version"
         raise EngineError(f"onnxruntime {ort.__version__} cannot load {path} (built with onnxruntime {built}): "
                           f"{str(exc).splitlines()[0][:200]}",

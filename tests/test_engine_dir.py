@@ -2,8 +2,8 @@
 line and exit 2/3, and no file outside the directory is opened.
 
 Cases run `enginesmith.cli.main` in-process on a copy of the tiny Llama engine (a subprocess only
-where a signal or a second process is the point). An audit hook records every file this process
-opens, so "the outside file was never read" is observed, not assumed.
+where a signal or a second process is the point). An audit hook (tests/audit_opens.py) records
+every file this process opens, so "the outside file was never read" is observed, not assumed.
 """
 
 from __future__ import annotations
@@ -20,31 +20,9 @@ from pathlib import Path
 import onnx
 import pytest
 
+from audit_opens import opened_under
+
 from enginesmith import cli, engine_dir
-
-OPENED: list[str] = []
-_WATCH: list[str] = []
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event == "open" and _WATCH and isinstance(args[0], (str, bytes, os.PathLike)):
-        OPENED.append(os.fsdecode(args[0]))
-
-
-sys.addaudithook(_audit)  # cannot be removed; records only while _WATCH is set
-
-
-def opened_under(path: Path, fn):
-    """Run fn() and return the files under `path` it opened (Python-level opens, os.open included)."""
-    OPENED.clear()
-    _WATCH.append("on")
-    try:
-        fn()
-    finally:
-        _WATCH.clear()
-    root = str(path)
-    return [p for p in OPENED if os.path.abspath(p).startswith(root)]
-
 
 @pytest.fixture
 def engine(tiny_engine, tmp_path) -> Path:
@@ -95,9 +73,12 @@ def write_raw(path: Path, manifest) -> None:
 
 # ----------------------------------------------------------------------------- security and data loss
 
-def test_the_copy_runs(engine, capfd):
-    code, err = run_engine(capfd, engine)
-    assert code == 0, err
+def test_the_copy_runs_and_the_audit_hook_sees_its_reads(engine, capfd):
+    """The positive control of every "never opened" assertion below."""
+    result = []
+    touched = opened_under(engine, lambda: result.append(run_engine(capfd, engine)))
+    assert result[0][0] == 0, result[0][1]
+    assert str(engine / "build.json") in touched and str(engine / "model.onnx.data") in touched
 
 
 @pytest.mark.parametrize("graph", ["/ABS/model.onnx", "../other/model.onnx", "/dev/zero", "/etc/passwd",

@@ -1,6 +1,7 @@
 """Tiny random models of every supported family, for tests that must run in seconds.
 
-Their vocabulary is SmolLM2's (49152) so the default tokenizer fits them all; the rest is small.
+Their vocabulary has SmolLM2's size (49152), the rest is small; their tokenizer is built in code
+(models.random_tokenizer) to fit whatever vocab_size a config has.
 Also the realistic-size random configs used by speed benchmarks (weights random, shapes real).
 """
 

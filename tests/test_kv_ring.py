@@ -276,7 +276,7 @@ def test_chat_session_keeps_one_cache(tiny_engine):
     loaded = open_engine(cached_engine(BuildConfig(model="tiny:qwen2", kv_layout="ring", kv_sinks=4,
                                                    kv_window=60), progress=False), device="cpu")
     session = ChatSession(loaded.engine, loaded.tokenizer, GenerationConfig(max_new_tokens=30))
-    first = "".join(session.turn("Hello!"))
+    first = "".join(session.turn("Hello! Tell me a long story about the sea."))
     prompt_first = session.last.prompt_tokens
     for _ in range(4):
         "".join(session.turn("And then?"))

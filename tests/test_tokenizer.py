@@ -9,11 +9,24 @@ from enginesmith.runtime.tokenizer import Tokenizer
 TEXTS = ["Hello world", "  Café — 東京 🙂\n\nnew paragraph", "<|im_start|>user\nhi<|im_end|>", ""]
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_engine):
+@pytest.fixture(scope="module", params=["smollm2", "random"])
+def pair(request, tiny_engine, tmp_path_factory):
+    """(transformers, ours) over the same files: SmolLM2's tokenizer (skipped when the default model's
+    package is not installed) and the built-in one that random models carry."""
     from transformers import AutoTokenizer
 
-    directory = tiny_engine("llama") / "tokenizer"  # tiny models carry SmolLM2's tokenizer
+    if request.param == "smollm2":
+        from enginesmith.errors import UserError
+        from enginesmith.models.load import default_gguf, load_tokenizer, resolve
+
+        try:
+            default_gguf()
+        except UserError as exc:
+            pytest.skip(f"default model not installed: {exc}")
+        directory = tmp_path_factory.mktemp("smollm2-tokenizer")
+        load_tokenizer(resolve(None)).save_pretrained(directory)
+    else:
+        directory = tiny_engine("llama") / "tokenizer"
     return AutoTokenizer.from_pretrained(directory), Tokenizer(directory)
 
 

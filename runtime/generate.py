@@ -24,6 +24,9 @@ class Engine(Protocol):
                 cache) -> np.ndarray: ...
 
 
+MAX_NEW_TOKENS = 1 << 20  # a bound on one request's work; a ring-cache stream can still run this long
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 256
@@ -33,8 +36,11 @@ class GenerationConfig:
     max_positions: int | None = None  # the model's context; prompt + output never exceed it
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise UserError(f"invalid max_new_tokens={self.max_new_tokens!r}", "use an integer >= 1")
+        """max_new_tokens is checked here, once, for every caller: a UserError with its valid range."""
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or \
+                not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"invalid max_new_tokens={self.max_new_tokens!r}",
+                            f"use an integer in [1, {MAX_NEW_TOKENS}]")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -20,22 +20,17 @@ from functools import partial
 from typing import Iterator
 
 from enginesmith.errors import UserError
+from enginesmith.runtime.chat import TextGuard, check_messages, render_chat
 from enginesmith.runtime.generate import GenerationConfig, generate_ids, stream
 
 _PROBE = ("\u2063probe-user\u2063", "\u2063probe-reply\u2063")
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("this model's tokenizer has no chat template", "use --raw to continue plain text")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
 def later_turn_text(tokenizer, message: str) -> str:
     """What the chat template writes after an assistant reply's content for a new user `message`."""
     user, reply = _PROBE
-    before = _render(tokenizer, [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], False)
-    after = _render(tokenizer, [{"role": "user", "content": user}, {"role": "assistant", "content": reply},
+    before = render_chat(tokenizer, [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], False)
+    after = render_chat(tokenizer, [{"role": "user", "content": user}, {"role": "assistant", "content": reply},
                                 {"role": "user", "content": message}], True)
     if not after.startswith(before[:before.rindex(reply) + len(reply)]):
         raise UserError("this chat template rewrites earlier turns", "use the dense KV layout for chat")
@@ -51,9 +46,12 @@ class TurnStats:
 
 class ChatSession:
     def __init__(self, engine, tokenizer, config: GenerationConfig, system: str | None = None,
-                 pad_id: int = 0):
+                 pad_id: int = 0, *, special_tokens_in_text: bool = False):
+        """`special_tokens_in_text`: as in chat.encode_chat (False: special-token text in the
+        messages is encoded as text, never as control tokens)."""
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.system, self.pad_id = system, pad_id
+        self.special_tokens_in_text = special_tokens_in_text
         self.cache = engine.new_cache(1)
         self._unfed: int | None = None   # the last reply token, not yet in the cache
         self._ended_by_stop = False
@@ -62,11 +60,20 @@ class ChatSession:
         self.last: TurnStats | None = None
 
     def _turn_ids(self, message: str) -> list[int]:
-        if self.turns == 0:
-            messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
-                       [{"role": "user", "content": message}]
-            return self.tokenizer(_render(self.tokenizer, messages, True), add_special_tokens=False)["input_ids"]
-        ids = self.tokenizer(later_turn_text(self.tokenizer, message), add_special_tokens=False)["input_ids"]
+        first = self.turns == 0
+        messages = ([{"role": "system", "content": self.system}] if self.system and first else []) + \
+            [{"role": "user", "content": message}]
+        check_messages(messages)
+        guard = None if self.special_tokens_in_text else TextGuard(self.tokenizer)
+        if guard:
+            messages = guard.hide(messages)
+        if first:
+            text = render_chat(self.tokenizer, messages, True)
+        else:
+            text = later_turn_text(self.tokenizer, messages[-1]["content"])
+        ids = guard.encode(text) if guard else self.tokenizer.encode(text, add_special_tokens=False)
+        if first:
+            return ids
         if self._unfed is not None and not self._ended_by_stop:
             ids = [self._unfed] + ids
         return ids

@@ -7,11 +7,14 @@ np.random.Generator passed in, so a seed reproduces a run exactly.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from enginesmith.errors import UserError
+
+MAX_SEED = 2 ** 64  # seeds are 64-bit: numpy takes more, torch's CUDA generator does not
 
 
 @dataclass(frozen=True)
@@ -23,18 +26,31 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        """Every value checked here, once, for every caller (CLI, Triton, batching): a UserError
+        naming the value and its valid range; numpy integers are taken as ints."""
         def bad(name, value, rule):
             raise UserError(f"invalid sampling value {name}={value!r}", f"{name} must be {rule}")
 
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            bad("temperature", self.temperature, "a number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        def number(value) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+        def integer(name) -> bool:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
+                return True
+            return False
+
+        if not number(self.temperature) or self.temperature < 0:
+            bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not integer("top_k") or self.top_k < 0:
             bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            bad("top_p", self.top_p, "in (0, 1] (1 = off)")
-        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)) \
-                or self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", self.top_p, "a number in (0, 1] (1 = off)")
+        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
+        if self.seed is not None and (not integer("seed") or not 0 <= self.seed < MAX_SEED):
+            bad("seed", self.seed, "an integer in [0, 2**64 - 1]")
 
     @property
     def greedy(self) -> bool:

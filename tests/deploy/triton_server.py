@@ -137,12 +137,13 @@ class TritonServer:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if all(self._ready(m) for m in models):
+            if all(self.ready(m) for m in models):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
-    def _ready(self, model: str) -> bool:
+    def ready(self, model: str) -> bool:
+        """Whether the server says `model` is ready (False when it cannot be reached)."""
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{model}/ready", timeout=2) as r:
                 return r.status == 200

@@ -22,7 +22,6 @@ renames it into place, so an interrupted or concurrent build never leaves a half
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -38,7 +37,7 @@ from typing import Callable, Iterator
 from enginesmith import manifest as schema
 from enginesmith.errors import EngineError, UserError
 from enginesmith.manifest import FORMAT_VERSION, Manifest  # noqa: F401  (re-exported)
-from enginesmith.paths import cache_dir
+from enginesmith.paths import cache_dir, writing_to
 
 MANIFEST = "build.json"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -252,26 +251,12 @@ def write_manifest(root: Path, fields: dict) -> Manifest:
     return manifest
 
 
-_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-
-
-@contextlib.contextmanager
-def output_errors(path: Path, what: str = "the output", only: tuple[int, ...] | None = None) -> Iterator[None]:
-    """An OSError while creating or writing `path` (read-only or full filesystem, no permission, a
-    path under /proc) becomes one UserError line naming the path and the fix; with `only`, just
-    those errnos (a body that also reads inputs keeps its other errors)."""
-    try:
-        yield
-    except OSError as exc:
-        if only is not None and exc.errno not in only:
-            raise
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            fix = f"free disk space under {path.parent} or choose another location"
-        elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            fix = "choose a writable location"
-        else:
-            fix = "choose another location"
-        raise UserError(f"cannot write {what} {path} ({exc.strerror or exc})", fix) from None
+def output_errors(target: Path) -> contextlib.AbstractContextManager:
+    """A block writing `target` or its temp siblings: a read-only or full filesystem, no permission
+    or a path under /proc become one UserError line (paths.writing_to, the one place for that)."""
+    target = Path(target)
+    return writing_to(target.parent, target.name,
+                      fix="choose an --out on a writable file system with enough free space")
 
 
 @contextlib.contextmanager
@@ -360,7 +345,7 @@ def write_atomically(target: Path, overwrite: bool = False, wait: bool = False,
             _remove_stale(target)
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
         try:
-            with output_errors(target, only=_OUT_OF_SPACE):
+            with output_errors(target):
                 yield tmp
             with output_errors(target):
                 if os.path.lexists(target):

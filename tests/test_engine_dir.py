@@ -220,7 +220,7 @@ def test_stale_temp_dirs_of_dead_builds_are_removed(tmp_path):
 
 def test_out_under_proc_is_one_line(capfd):
     code, err = run_cli(capfd, "build", "--model", "tiny:llama", "--out", "/proc/foo")
-    one_line(code, err, 2, "/proc/foo")
+    one_line(code, err, 2, "cannot write foo in /proc")
 
 
 @pytest.fixture
@@ -241,12 +241,13 @@ def test_out_on_a_full_or_read_only_filesystem_is_one_line(small_fs):
                              str(small_fs / "e")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: cannot write the output {small_fs / 'e'} (No space left on device)"), last
+    assert last.startswith(f"error: cannot write e in {small_fs}: no space is left on the device"), last
     assert os.listdir(small_fs) == []  # the partial export was removed
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     result = subprocess.run([sys.executable, "-m", "enginesmith.cli", "build", "--model", "tiny:llama", "--out",
                              str(small_fs / "e")], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 2 and "(Read-only file system)" in result.stderr.strip().splitlines()[-1], result.stderr
+    assert result.returncode == 2 and "the file system is read-only" in result.stderr.strip().splitlines()[-1], \
+        result.stderr
 
 
 # ----------------------------------------------------------------------------- wrong JSON types

@@ -109,9 +109,12 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted.
     Another build writing `out` at the same time is refused (`locked`: the caller holds its lock).
     `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache)."""
-    import onnxruntime as ort
     import torch
     import transformers
+
+    from enginesmith.onnxruntime_flavour import require as require_onnxruntime
+
+    ort = require_onnxruntime()  # missing or mixed ONNX Runtime: one line before minutes of export
 
     from enginesmith.export.kv_io import KVShape
     from enginesmith.export.to_onnx import export
@@ -298,7 +301,8 @@ GQA_IO = "gqa-shared-buffer"
 
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
                    block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
-                   progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False) -> Path:
+                   progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False,
+                   max_batch: int | None = None) -> Path:
     """From an engine built by `build`, an engine for runtime.ort_cuda.GqaEngine (ORT CUDA's fast
     decode path): GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
     (skip_rmsnorm), with quant="w4a16" int4 weights as MatMulNBits (the lm_head too with
@@ -309,7 +313,8 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     custom_ops: the decode GEMVs as enginesmith's ORT custom ops (passes/ort_gemv.py; the engine then
     needs libenginesmith_ort_ops.so at run time). None: when that library is built; True: required.
     custom_attention (with the ops): the attention too (passes/ort_attention.py): faster decode steps at
-    short contexts, but prompts run 2-13x slower than ORT's flash attention (plugins/README.md)."""
+    short contexts, but prompts run 2-13x slower than ORT's flash attention (plugins/README.md).
+    max_batch: recorded as kv_layout.max_batch, the KV rows the CLI opens the engine with."""
     import shutil
 
     import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
@@ -348,7 +353,8 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
             passes=list(manifest.passes) + [step.spec() for step in parse_pipeline(steps)],
             pass_counts={e["name"]: e["counts"] for e in report},
-            kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity},
+            kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity,
+                       **({"max_batch": max_batch} if max_batch else {})},  # KV rows the runtime allocates
             lowered_from=str(src))
         if quant:
             lowered["precision"] = f"{manifest.precision}+{quant}"

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from enginesmith import __version__
 from enginesmith.engine_dir import Terminated
-from enginesmith.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UserError
+from enginesmith.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EngineError, UserError
+
+MAX_CUDA_BATCH = 256  # --max-batch of a --for-cuda engine: rows of its KV buffer, each of the full capacity
 
 
 # ----------------------------------------------------------------------------- shared flags
@@ -41,6 +43,10 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--allow-special-tokens-in-text", action="store_true",
+                   help="let prompt and --system text that spells a special token (e.g. <|im_start|>) become that "
+                        "control token, as when crafting raw prompts (default: such text is encoded as plain text, "
+                        "so a prompt cannot open a turn of its own; servers always do this)")
 
 
 def _add_kv_flags(p: argparse.ArgumentParser, eval_policies: bool = False) -> None:
@@ -117,18 +123,41 @@ def _open(args, config=None):
     from enginesmith import engine_dir
     from enginesmith.build import GQA_IO
 
-    if engine_dir.read_manifest(path).kv_layout.io == GQA_IO:  # lowered for ORT CUDA
+    manifest = engine_dir.read_manifest(path)
+    if manifest.kv_layout.io == GQA_IO:  # lowered for ORT CUDA
         from enginesmith.runtime.ort_cuda import open_gqa_engine
 
-        return open_gqa_engine(path, device=args.device, max_batch=max(1, len(getattr(args, "prompt", []) or [])))
+        return open_gqa_engine(path, device=args.device, max_batch=_gqa_rows(args, manifest))
     return open_engine(path, device=args.device, threads=args.threads)
 
 
+def _gqa_rows(args, manifest) -> int:
+    """KV rows to allocate for a --for-cuda engine: its build's --max-batch (recorded as
+    kv_layout.max_batch), else as many as the prompts (or bench's --batch)."""
+    rows = max(1, len(getattr(args, "prompt", []) or []), getattr(args, "batch", 1) or 1)
+    built = manifest.kv_layout.max_batch  # an integer >= 1 (the schema checks it)
+    if built is None:
+        return rows
+    if built > MAX_CUDA_BATCH:
+        raise EngineError(f"build.json kv_layout.max_batch {built} is more than {MAX_CUDA_BATCH}",
+                          "rebuild the engine with enginesmith build --for-cuda --max-batch N")
+    if rows > built:
+        raise UserError(f"{rows} sequences at once exceed the --max-batch {built} this engine was built with",
+                        f"rebuild it with --max-batch {rows} or more, or run fewer at once")
+    return built
+
+
 def _sampling(args):
-    """Validated before any model is loaded, so a bad value fails in milliseconds."""
+    """Validated before any model is loaded, so a bad value fails in milliseconds (the values'
+    rules live in SamplingParams and GenerationConfig; --system and --stop text must be UTF-8)."""
     from enginesmith.runtime.generate import GenerationConfig
     from enginesmith.runtime.sampling import SamplingParams
+    from enginesmith.runtime.tokenizer import check_text
 
+    if args.system is not None:
+        check_text(args.system, "the --system message")
+    for stop in args.stop:
+        check_text(stop, "a --stop string")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
     GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling)
@@ -175,11 +204,20 @@ def cmd_build(args) -> int:
         trt = trt_build.config_from_args(args)
     elif args.preset:
         raise UserError("--preset is a TensorRT (Jetson) preset", "add --backend trt")
+    if args.page_size is not None and args.page_size < 1:
+        raise UserError(f"--page-size {args.page_size} is not a positive number of tokens", "use e.g. --page-size 16")
     if args.for_cuda:
         return _build_for_cuda(args)
+    only_cuda = [flag for flag, given in (("--max-batch", args.max_batch is not None),
+                                          ("--quantize-lm-head", args.quantize_lm_head)) if given]
+    if only_cuda:
+        raise UserError(f"{' and '.join(only_cuda)} belong{'s' * (len(only_cuda) == 1)} to --for-cuda engines",
+                        "add --for-cuda" + (" (a TensorRT build takes --trt-max-batch)" if args.max_batch else ""))
+    if args.page_size is not None and args.kv != "paged":
+        raise UserError(f"--page-size applies to --kv paged, not --kv {args.kv}", "add --kv paged, or drop --page-size")
     path = build(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset, backend=args.backend,
                              kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window,
-                             page_size=args.page_size, quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
+                             page_size=args.page_size or 16, quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
                              calib_text=args.calib_text, calib_samples=args.calib_samples,
                              accuracy_level=args.accuracy_level,
                              trt=trt, preset=args.preset, trt_version=args.trt_version),
@@ -200,30 +238,53 @@ def _build_for_cuda(args) -> int:
     if bad:
         raise UserError(f"--for-cuda does not combine with {', '.join(bad)}",
                         "use --for-cuda with --dtype fp16 or bf16 and, for int4 weights, --quant w4a16-rtn")
-    src = cached_engine(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset))
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise UserError(f"{out} already exists", "pass --force to replace it, or choose another --out")
-    quant = "w4a16" if args.quant == "w4a16-rtn" else None
+    if args.page_size is not None:
+        raise UserError("--page-size applies to --kv paged; a --for-cuda engine keeps one dense KV buffer",
+                        "drop --page-size")
+    if args.quantize_lm_head and args.quant != "w4a16-rtn":
+        raise UserError("--quantize-lm-head makes the lm_head int4 and needs --quant w4a16-rtn",
+                        "add --quant w4a16-rtn, or drop --quantize-lm-head")
+    if args.max_batch is not None and not 1 <= args.max_batch <= MAX_CUDA_BATCH:
+        raise UserError(f"--max-batch {args.max_batch} is outside 1..{MAX_CUDA_BATCH}",
+                        "use the most sequences you will run at once (each holds a full-capacity KV row)")
+    from enginesmith.onnxruntime_flavour import check as check_onnxruntime
+
     custom_ops = {"auto": None, "on": True, "off": False}[args.custom_ops]
     if args.custom_attention and custom_ops is False:
         raise UserError("--custom-attention needs the custom ops", "drop --custom-ops off")
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise UserError(f"{out} already exists", "pass --force to replace it, or choose another --out")
+    # Before minutes of export: ONNX Runtime (the lowering's checks run it) and, when asked for, the ops
+    # library (compiled here on first use, or a one-line reason why it cannot be).
+    check_onnxruntime()
+    if custom_ops or args.custom_attention:
+        from enginesmith.plugins import ort_ops
+
+        ort_ops.require()
+    src = cached_engine(BuildConfig(model=args.model, dtype=args.dtype, opset=args.opset))
+    quant = "w4a16" if args.quant == "w4a16-rtn" else None
     print(lower_for_cuda(src, out, quant=quant, block_size=args.block_size, force=args.force,
                          custom_ops=True if args.custom_attention else custom_ops,
-                         custom_attention=args.custom_attention))
+                         custom_attention=args.custom_attention, quantize_lm_head=args.quantize_lm_head,
+                         max_batch=args.max_batch))
     return 0
 
 
 def cmd_run(args) -> int:
     from enginesmith.runtime.chat import encode_prompt
     from enginesmith.runtime.generate import stream
+    from enginesmith.runtime.tokenizer import check_text
 
     sampling = _sampling(args)
+    for prompt in args.prompt:  # before the model loads: argv bytes that are not UTF-8 arrive as surrogates
+        check_text(prompt, "the prompt")
     spec = _speculative(args)
     loaded = _open(args)
     config = _generation_config(args, loaded, sampling)
     decoder = _decoder(args, loaded, spec) if spec else None
-    prompts = [encode_prompt(loaded.tokenizer, p, raw=args.raw, system=args.system) for p in args.prompt]
+    prompts = [encode_prompt(loaded.tokenizer, p, raw=args.raw, system=args.system,
+                             special_tokens_in_text=args.allow_special_tokens_in_text) for p in args.prompt]
     if len(prompts) == 1:  # stream to the terminal as tokens arrive
         if args.raw:
             print(args.prompt[0], end="", flush=True)
@@ -247,16 +308,24 @@ def cmd_chat(args) -> int:
     sampling = _sampling(args)
     loaded = _open(args)
     config = _generation_config(args, loaded, sampling)
+    allow = args.allow_special_tokens_in_text
     if loaded.context_limit is None:  # a ring cache: one session, constant memory, no history kept
-        return _chat_stream(loaded, config, args.system)
+        return _chat_stream(loaded, config, args.system, special_tokens_in_text=allow)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+
+    def encode() -> list[int]:
+        return encode_chat(loaded.tokenizer, history, special_tokens_in_text=allow)
 
     def reply(line: str):
         history.append({"role": "user", "content": line})
-        ids = encode_chat(loaded.tokenizer, history)
+        try:
+            ids = encode()
+        except UserError:  # e.g. the line is not UTF-8: forget it, keep the session
+            history.pop()
+            raise
         while len(history) > 1 and len(ids) >= loaded.max_positions:  # drop the oldest turns, not fail
             history.pop(1 if args.system else 0)
-            ids = encode_chat(loaded.tokenizer, history)
+            ids = encode()
         text = ""
         try:
             for deltas in stream(loaded.engine, loaded.tokenizer, [ids], config, loaded.pad_id):
@@ -272,14 +341,18 @@ def cmd_chat(args) -> int:
                  reply, reset)
 
 
-def _chat_stream(loaded, config, system: str | None) -> int:
+def _chat_stream(loaded, config, system: str | None, special_tokens_in_text: bool = False) -> int:
     from enginesmith.runtime.ring_chat import ChatSession
 
-    session = [ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)]
+    def new_session():
+        return ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id,
+                           special_tokens_in_text=special_tokens_in_text)
+
+    session = [new_session()]
     kv = loaded.kv_layout
 
     def reset():
-        session[0] = ChatSession(loaded.engine, loaded.tokenizer, config, system, loaded.pad_id)
+        session[0] = new_session()
 
     return _repl(f"enginesmith chat (ring KV cache: {kv.sinks} sinks + {kv.window} recent tokens, "
                  "constant memory): type a message; /reset starts over, /exit or Ctrl-D quits.",
@@ -295,6 +368,9 @@ def _repl(banner: str, reply, reset) -> int:
         except EOFError:
             print()
             return 0
+        except UnicodeDecodeError:  # stdin that is not UTF-8: say so, keep the session
+            print("error: that line is not UTF-8 text (fix: type or paste UTF-8)", file=sys.stderr)
+            continue
         if not line:
             continue
         if line in ("/exit", "/quit"):
@@ -307,6 +383,9 @@ def _repl(banner: str, reply, reset) -> int:
                 print(delta, end="", flush=True)
         except KeyboardInterrupt:  # stop this reply, keep the session
             print(" [interrupted]", end="")
+        except UserError as exc:  # a bad line (too long, not text): one line, keep the session
+            print(f"error: {exc}", file=sys.stderr)
+            continue
         print()
 
 
@@ -399,10 +478,57 @@ def _eval_stream(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from enginesmith import doctor
+
+    found = doctor.checks()
+    print(json.dumps(doctor.as_json(found)) if args.json else doctor.format_text(found))
+    return 0  # doctor reports; a missing piece is a line with its fix, not a failure
+
+
+def cmd_plugins_build(args) -> int:
+    """plugins build: compile the libraries into the cache ($ENGINESMITH_PLUGINS_BUILD: in place) and
+    print their paths, one a line."""
+    from enginesmith.plugins import compile as plugin_compile
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs} must be at least 1", "leave it out to use all cores")
+    if args.arch is not None:
+        archs = plugin_compile.parse_archs(args.arch)
+    else:
+        gpu = plugin_compile.detect_gpu()
+        if gpu is None:
+            raise UserError("no NVIDIA GPU found to compile for",
+                            "pass --arch, e.g. --arch 90 (H100/H200) or 80 (A100)")
+        archs = (gpu.arch,)
+    root = args.tensorrt_root or os.environ.get("TENSORRT_ROOT")
+    build_env = os.environ.get(plugin_compile.BUILD_ENV)
+    if build_env:
+        out = plugin_compile.build_into(Path(build_env), archs, args.trt, root, args.jobs)
+    else:
+        out = plugin_compile.build_cached(archs, args.trt, root, args.jobs, force=args.force)
+    for name, lib in plugin_compile.LIBRARIES.items():
+        if not (out / lib).is_file():
+            continue
+        print(out / lib)
+        where = plugin_compile.locate(name, any_arch=True)
+        if where is not None and where.built and where.path != out / lib:
+            print(f"note: {where.path} ({where.origin}) is found before this {lib}; unset its variable or remove "
+                  "it to use this build", file=sys.stderr)
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line error contract for usage mistakes (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (fix: see `{self.prog} --help`)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(
+    top = _Parser(
         prog="enginesmith",
         description="Turn a Hugging Face causal LM into an inference engine and run it.",
         epilog="Example: enginesmith run \"What is the capital of France?\"")
@@ -433,7 +559,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--custom-attention", action="store_true",
                    help="with --for-cuda: the attention as enginesmith's ORT op too (one kernel per layer: "
                         "faster decode at short contexts; prompts run slower than ORT's flash attention)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="with --for-cuda: sequences run at once (rows of the KV buffer the runtime allocates, "
+                        "each of the full capacity; default: as many as the prompts)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --for-cuda --quant w4a16-rtn: the lm_head int4 too (a tied one gets its own matrix)")
     _add_kv_flags(p)
+    p.set_defaults(page_size=None)  # given or not: it applies to --kv paged only (default 16 there)
     g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ, ...)")
     g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"],
                    help="quantization preset")
@@ -504,7 +636,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_kv_flags(p, eval_policies=True)
     p.set_defaults(func=cmd_eval)
+
+    p = verbs.add_parser("doctor", help="what this machine has for enginesmith (GPU, ONNX Runtime, CUDA ops, "
+                                        "TensorRT, compilers), with the fix for each missing piece")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_doctor)
+
+    p = verbs.add_parser("plugins", help="the CUDA libraries (ONNX Runtime ops, kernels, TensorRT plugins)")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = actions.add_parser("build", help="compile them now (else the ops compile on first use) and print their paths")
+    q.add_argument("--arch", default=None, metavar="SM",
+                   help="CUDA compute capability without the dot, e.g. 90 (H100/H200) or 80,90 "
+                        "(default: this machine's GPU)")
+    q.add_argument("--trt", action="store_true", help="also the TensorRT plugin library (needs TENSORRT_ROOT)")
+    q.add_argument("--tensorrt-root", default=None, metavar="DIR", help="TensorRT install (default: $TENSORRT_ROOT)")
+    q.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    q.add_argument("--force", action="store_true", help="compile again even if the cache holds them")
+    q.set_defaults(func=cmd_plugins_build)
     return top
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def _raise_terminated(signum, frame):
@@ -534,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug of ours: one line, and how to see more
         if debug:
             traceback.print_exc()
+        if type(exc).__module__.startswith("onnxruntime."):  # the engine's graph failed inside ONNX Runtime
+            print(f"error: onnxruntime failed running the engine: {_first_line(exc)} (fix: rebuild the engine "
+                  "with `enginesmith build`; if this enginesmith built it, rerun with ENGINESMITH_DEBUG=1 and report "
+                  "it)", file=sys.stderr)
+            return EngineError.exit_code
         print(f"error: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
               "(fix: rerun with ENGINESMITH_DEBUG=1 and report the traceback)", file=sys.stderr)
         return 1

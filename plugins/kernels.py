@@ -5,21 +5,22 @@ TensorRT plugin library.
 Dimension legend: B sequences, Sq query tokens, H query heads, Hkv KV heads, D head size,
 BS page size, NB pages in the pool, MB pages per sequence, T new tokens.
 
-The library is found at $ENGINESMITH_KERNELS_LIB, else <build dir>/libenginesmith_kernels.so with the
-build dir $ENGINESMITH_PLUGINS_BUILD or plugins/build; `build()` makes it with CMake + nvcc.
+The library is found as plugins/compile.py says ($ENGINESMITH_KERNELS_LIB, $ENGINESMITH_PLUGINS_BUILD,
+plugins/build of a checkout, else the cache entry for this machine's GPU, compiled on first use);
+`build()` makes it with CMake + nvcc into a given folder.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import struct
 import subprocess
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+from enginesmith.plugins import compile as plugin_compile
 
 PLUGINS_DIR = Path(__file__).resolve().parent
 DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
@@ -44,38 +45,28 @@ def build(
     trt_plugins: bool = True,
     jobs: int = 2,
 ) -> Path:
-    """Configure and build plugins/ with CMake (Ninja if present); return the build directory."""
+    """Configure and build plugins/ with CMake (Ninja if present) into `out_dir`; return it."""
     out_dir = Path(out_dir or build_dir())
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise KernelError("cmake is not installed")
-    args = [
-        cmake, "-S", str(PLUGINS_DIR), "-B", str(out_dir),
-        f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
-        f"-DENGINESMITH_BUILD_TRT_PLUGINS={'ON' if trt_plugins else 'OFF'}",
-        f"-DPython3_EXECUTABLE={sys.executable}",
-    ]
-    if shutil.which("ninja"):
-        args += ["-G", "Ninja"]
-    if tensorrt_root:
-        args.append(f"-DTENSORRT_ROOT={tensorrt_root}")
-    for cmd in (args, [cmake, "--build", str(out_dir), "-j", str(jobs)]):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise KernelError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    try:
+        for cmd in plugin_compile.cmake_commands(out_dir, archs, trt_plugins, tensorrt_root, jobs):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    except plugin_compile.CompileError as exc:
+        raise KernelError(str(exc)) from None
     return out_dir
 
 
-def library_path() -> Path:
-    env = os.environ.get("ENGINESMITH_KERNELS_LIB")
-    return Path(env) if env else build_dir() / "libenginesmith_kernels.so"
+def library_path() -> Path | None:
+    """Where the library is, or would be compiled to on this machine (None: no GPU, nothing built)."""
+    where = plugin_compile.locate("kernels", any_arch=True)
+    return where.path if where else None
 
 
 @lru_cache(maxsize=None)
 def lib() -> ctypes.CDLL:
-    path = library_path()
-    if not path.exists():
-        raise KernelError(f"{path} not found: build it with plugins.kernels.build() or cmake (plugins/README.md)")
+    """The library, loaded once; compiled into the cache first if it is not built (plugins/compile.py)."""
+    path = plugin_compile.ensure("kernels")
     try:  # torch loads the CUDA runtime its wheels ship (libcudart.so.13) with RTLD_GLOBAL
         import torch  # noqa: F401
     except ImportError:

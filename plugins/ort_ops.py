@@ -1,43 +1,44 @@
 """ONNX Runtime custom ops of enginesmith (libenginesmith_ort_ops.so, built with the plugins by
 plugins/CMakeLists.txt): the decode GEMVs of passes/ort_gemv.py, with CUDA and CPU kernels.
 
-The library is found at $ENGINESMITH_ORT_OPS_LIB, else <build dir>/libenginesmith_ort_ops.so (the build
-dir of plugins/kernels.py: $ENGINESMITH_PLUGINS_BUILD or plugins/build).
+The library is found as plugins/compile.py says: $ENGINESMITH_ORT_OPS_LIB, else
+$ENGINESMITH_PLUGINS_BUILD/libenginesmith_ort_ops.so, else plugins/build/ of a source checkout, else
+the cache entry for this machine's GPU, which `require()` compiles on first use.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from enginesmith.errors import UserError
-from enginesmith.plugins.kernels import build_dir
+from enginesmith.plugins import compile as plugin_compile
 
 DOMAIN = "com.enginesmith"
-LIBRARY = "libenginesmith_ort_ops.so"
+LIBRARY = plugin_compile.LIBRARIES["ort_ops"]
 
 
-def library_path() -> Path:
-    env = os.environ.get("ENGINESMITH_ORT_OPS_LIB")
-    return Path(env) if env else build_dir() / LIBRARY
+def library_path() -> Path | None:
+    """Where the library is, or would be compiled to on this machine; None on a machine without a
+    GPU, a variable or a compiled cache entry (plugins/compile.py: locate)."""
+    where = plugin_compile.locate("ort_ops", any_arch=True)
+    return where.path if where else None
 
 
 def available() -> bool:
-    return library_path().is_file()
+    """Whether the library is built for this machine already (nothing is compiled to answer). A cache
+    entry counts only when it was compiled for this machine's GPU."""
+    where = plugin_compile.locate("ort_ops")
+    return where is not None and where.built
 
 
 def require() -> Path:
-    path = library_path()
-    if not path.is_file():
-        raise UserError(f"the enginesmith ONNX Runtime ops library is not built ({path} not found)",
-                        "build it: cmake -S plugins -B plugins/build -DENGINESMITH_BUILD_TRT_PLUGINS=OFF && "
-                        "cmake --build plugins/build --target enginesmith_ort_ops (or set ENGINESMITH_ORT_OPS_LIB)")
-    return path
+    """The library's path, compiled on first use (for this machine's GPU); a UserError that says how
+    to build it when that cannot happen here."""
+    return plugin_compile.ensure("ort_ops")
 
 
 def register(opts, needed: bool = False) -> bool:
-    """Register the library into ORT SessionOptions `opts` if it is built; with `needed`, a missing
-    library is a UserError. Returns whether it was registered."""
+    """Register the library into ORT SessionOptions `opts` if it is built; with `needed`, it is
+    compiled first if missing (or a UserError says why it cannot be). Returns whether it was registered."""
     if not needed and not available():
         return False
     opts.register_custom_ops_library(str(require()))

@@ -8,7 +8,8 @@ crosses to the host. `length` is P, the number of cached positions (left padding
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
+
+from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 
 
 class DenseKVCache:

@@ -34,9 +34,9 @@ double-buffered; nothing is allocated after construction and nothing grows.
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from enginesmith.errors import UserError
+from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 

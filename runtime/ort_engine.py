@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from enginesmith.errors import UserError
+from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
 from enginesmith.runtime.kv_dense import DenseKVCache
 
@@ -26,7 +26,7 @@ def resolve_device(requested: str) -> str:
         return "cuda" if "CUDAExecutionProvider" in available else "cpu"
     if requested == "cuda" and "CUDAExecutionProvider" not in available:
         raise UserError("CUDA was requested but this onnxruntime has no CUDA execution provider",
-                        "pip install onnxruntime-gpu, or use --device cpu")
+                        'pip uninstall -y onnxruntime && pip install "enginesmith[cuda]", or use --device cpu')
     if requested not in ("cpu", "cuda"):
         raise UserError(f"unknown device {requested!r}", "use --device auto, cpu or cuda")
     return requested

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from external import missing
+
 FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
 
 
@@ -23,7 +25,7 @@ def _require_default_model():
     try:
         default_gguf()
     except UserError as exc:
-        pytest.skip(f"default model not installed: {exc}")
+        missing(f"default model: {exc.what}", exc.fix)
 
 
 @pytest.fixture(scope="session")

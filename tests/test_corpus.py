@@ -6,6 +6,7 @@ import pytest
 
 from enginesmith.errors import UserError
 from enginesmith.measure import corpus
+from external import missing
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +14,7 @@ def installed():
     try:
         corpus.data_dir()
     except UserError as exc:
-        pytest.skip(str(exc))
+        missing(exc.what, exc.fix)
 
 
 def test_novels(installed):

@@ -1,4 +1,4 @@
-"""mypy over the TensorRT code, against the tensorrt 10.13 stubs in ../shared/third_party/tensorrt.
+"""mypy over the TensorRT code, against the tensorrt 10.13 stubs ($ENGINESMITH_TRT_STUBS, see tests/external.py).
 
 TensorRT cannot be installed here, so this type check is what stands between the builder/runner and
 a typo in an API call. The package is mapped from its folders (export/ -> enginesmith.export, ...),
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from external import TRT_STUBS, require_module
+
 REPO = Path(__file__).resolve().parents[2]
-STUBS = Path(os.environ.get("ENGINESMITH_TRT_STUBS", REPO.parent / "shared/third_party/tensorrt/stubs-10.13"))
 CHECKED = ["runtime/trt_engine.py", "deploy/trt_lint.py", "deploy/trt_ops.py", "deploy/jetson.py", "deploy/trt_build.py",
            "deploy/triton.py", "deploy/triton_model.py"]
 
@@ -56,30 +57,28 @@ def linked_tree(root: Path) -> Path:
     return root
 
 
-def test_tensorrt_code_is_mypy_clean(tmp_path):
-    try:
-        from mypy import api
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("mypy is missing in CI: pip install mypy")
-        pytest.skip("mypy not installed (pip install mypy)")
-    if not (STUBS / "tensorrt_bindings").is_dir():
-        pytest.fail(f"TensorRT stubs not found at {STUBS} (set ENGINESMITH_TRT_STUBS)")
+@pytest.fixture
+def mypy_api():
+    return require_module("mypy.api", "pip install mypy (a test extra)")
+
+
+@pytest.fixture
+def stubs() -> Path:
+    return TRT_STUBS.require()
+
+
+def test_tensorrt_code_is_mypy_clean(mypy_api, stubs, tmp_path):
     src = linked_tree(tmp_path / "src")
     cache = Path(os.environ.get("ENGINESMITH_MYPY_CACHE", tmp_path / "mypy_cache"))
     ini = tmp_path / "mypy.ini"
-    ini.write_text(MYPY_INI.format(stubs=STUBS, src=src, cache=cache))
+    ini.write_text(MYPY_INI.format(stubs=stubs, src=src, cache=cache))
     files = [str(src / "enginesmith" / f) for f in CHECKED if (REPO / f).exists()]
-    stdout, stderr, status = api.run(["--config-file", str(ini), *files])
+    stdout, stderr, status = mypy_api.run(["--config-file", str(ini), *files])
     assert status == 0, f"mypy found problems:\n{stdout}{stderr}"
 
 
-def test_mypy_sees_the_tensorrt_stubs(tmp_path):
+def test_mypy_sees_the_tensorrt_stubs(mypy_api, stubs, tmp_path):
     """A wrong call against the stubs must fail: proof the check is not vacuous (tensorrt not Any)."""
-    try:
-        from mypy import api
-    except ImportError:
-        pytest.skip("mypy not installed (pip install mypy)")
     bad = tmp_path / "bad.py"
     bad.write_text("import tensorrt as trt\n"
                    "def f(engine: trt.ICudaEngine) -> None:\n"
@@ -87,7 +86,7 @@ def test_mypy_sees_the_tensorrt_stubs(tmp_path):
                    "    ctx.execute_async_v4(0)\n"
                    "    ctx.set_tensor_address('x', 'not an int')\n")
     ini = tmp_path / "mypy.ini"
-    ini.write_text(MYPY_INI.format(stubs=STUBS, src=tmp_path, cache=tmp_path / "cache"))
-    stdout, _, status = api.run(["--config-file", str(ini), str(bad)])
+    ini.write_text(MYPY_INI.format(stubs=stubs, src=tmp_path, cache=tmp_path / "cache"))
+    stdout, _, status = mypy_api.run(["--config-file", str(ini), str(bad)])
     assert status == 1
     assert "execute_async_v4" in stdout and "set_tensor_address" in stdout

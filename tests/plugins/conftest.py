@@ -1,7 +1,9 @@
 """Fixtures for the plugin tests: the plugin modules and one CMake build shared by the session.
 
 The build is made once (all CUDA archs, TensorRT wrappers included) unless $ENGINESMITH_PLUGINS_BUILD
-names a directory that already holds it (the GPU machine gets a prebuilt one that way).
+names a directory that already holds it (the GPU machine gets a prebuilt one that way). It needs nvcc
+and the TensorRT headers ($TENSORRT_ROOT, see tests/external.py): without them the plugin tests skip,
+or fail under ENGINESMITH_TEST_STRICT=1.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from plugin_modules import REPO, kernels, load
-
-TENSORRT_ROOT = Path(os.environ.get("TENSORRT_ROOT", REPO.parent / "shared" / "third_party" / "tensorrt"))
+from external import TENSORRT, missing
+from plugin_modules import kernels, load
 
 
 def nvcc_path() -> str | None:
@@ -28,11 +29,11 @@ def plugin_build(tmp_path_factory) -> Path:
     if prebuilt and (Path(prebuilt) / "libenginesmith_kernels.so").exists():
         return Path(prebuilt)
     if nvcc_path() is None:
-        pytest.skip("nvcc is not installed: the CUDA plugins cannot be compiled here")
-    assert (TENSORRT_ROOT / "include" / "NvInferRuntime.h").exists(), (
-        f"TensorRT headers not found under {TENSORRT_ROOT}; set TENSORRT_ROOT")
+        missing("nvcc is not installed: the CUDA plugins cannot be compiled here",
+                "install the CUDA toolkit (nvcc on PATH or in /usr/local/cuda/bin)")
+    tensorrt_root = TENSORRT.require()
     out = tmp_path_factory.mktemp("plugins_build")
-    kernels.build(out, archs=kernels.ALL_ARCHS, tensorrt_root=str(TENSORRT_ROOT))
+    kernels.build(out, archs=kernels.ALL_ARCHS, tensorrt_root=str(tensorrt_root))
     return out
 
 

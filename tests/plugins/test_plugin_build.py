@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from external import missing
 from plugin_modules import kernels
 
 
@@ -29,10 +31,24 @@ def test_trt_plugin_library_builds_and_exports_entry_points(plugin_build):
     assert trt_like == {"getPluginRegistry"}, trt_like
 
 
+def _cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one the nvidia-cuda-cuobjdump wheel (a test extra) puts under nvidia/cu13/bin."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    candidates = [Path(base) / "cu13" / "bin" / "cuobjdump" for base in nvidia.__path__]
+    return next((str(c) for c in candidates if c.is_file()), None)
+
+
 def test_device_code_covers_every_arch(plugin_build):
-    cuobjdump = shutil.which("cuobjdump")
+    cuobjdump = _cuobjdump()
     if cuobjdump is None:
-        pytest.skip("cuobjdump is not installed (the build itself used CMAKE_CUDA_ARCHITECTURES=" + kernels.ALL_ARCHS + ")")
+        missing("cuobjdump is not installed (the build itself used CMAKE_CUDA_ARCHITECTURES=" + kernels.ALL_ARCHS + ")",
+                "pip install nvidia-cuda-cuobjdump, or put the CUDA toolkit's cuobjdump on PATH")
     out = subprocess.run([cuobjdump, "--list-elf", str(plugin_build / "libenginesmith_kernels.so")],
                          capture_output=True, text=True, check=True).stdout
     for arch in ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90"):
@@ -189,7 +205,8 @@ def test_sparse_gemm_creator_accepts_24_and_rejects_dense(wrappers, kernels_lib)
     rc, msg = wrappers.call("es_trt_sparse_gemm_create", w.ctypes.data, 32, 64, 0)
     if not kernels_lib.sparse_available():
         assert rc != 0 and "without cuSPARSELt" in msg
-        pytest.skip("built without cuSPARSELt: the 2:4 check ran, the accepting path cannot")
+        missing("the kernels library was built without cuSPARSELt: the 2:4 check ran, the accepting path cannot",
+                "pip install nvidia-cusparselt-cu13 (a test extra) and rebuild")
     assert rc == 0, msg
     w[7, 12:16] = 1.0
     rc, msg = wrappers.call("es_trt_sparse_gemm_create", w.ctypes.data, 32, 64, 0)

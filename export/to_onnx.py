@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.export.kv_io import KVCacheIO, KVShape, input_names, output_names
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 
 LogitsFn = Callable[[np.ndarray], np.ndarray]  # ids int64 [1, W] -> logits [1, W, V]
 

@@ -38,7 +38,7 @@ def bench(loaded, prompt_tokens: int, new_tokens: int, batch: int, repeats: int,
     """Our engine, then (compare) HF transformers eager ("hf") and HF's static cache +
     torch.compile ("hf-compile", CUDA), all on one prompt; plus the bandwidth bound of our engine's
     device (weights + KV at the mean context per step over the measured copy bandwidth)."""
-    from enginesmith.errors import UserError
+    from enginesmith.core.errors import UserError
 
     unknown = [c for c in compare if c not in COMPARE]
     if unknown:
@@ -115,8 +115,9 @@ def format_bench(r: dict) -> str:
 
 def eval_ppl(loaded, text_path: str | None, novel: str, tokens: int, window: int,
              compare_hf: bool = False) -> dict:
-    from enginesmith.errors import UserError
-    from enginesmith.measure import corpus, perplexity
+    from enginesmith.core.errors import UserError
+    from enginesmith.measure import perplexity
+    from enginesmith.models import corpus
 
     if tokens < window:
         raise UserError(f"--tokens {tokens} is smaller than --window {window}", "use --tokens >= --window")

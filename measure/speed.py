@@ -62,7 +62,7 @@ def make_prompt(prompt_tokens: int, batch: int, vocab: int, tokenizer=None, seed
     need = prompt_tokens * batch
     if tokenizer is not None:
         try:
-            from enginesmith.measure.corpus import austen_text
+            from enginesmith.models.corpus import austen_text
             from enginesmith.measure.perplexity import tokenize
 
             ids = tokenize(tokenizer, austen_text()[: need * 8 + 1000], need)
@@ -111,7 +111,7 @@ def _run(step, prompt: np.ndarray, new_tokens: int, warmup: int, repeats: int) -
 
 
 def _check(prompt_tokens: int, new_tokens: int, batch: int, warmup: int, repeats: int) -> None:
-    from enginesmith.errors import UserError
+    from enginesmith.core.errors import UserError
 
     for name, value, low in (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 0),
                              ("batch", batch, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
@@ -162,7 +162,7 @@ def bench_device_engine(engine, prompt: np.ndarray, new_tokens: int, warmup: int
     batch, plen = prompt.shape
     _check(plen, new_tokens, batch, warmup, repeats)
     if new_tokens < 2:
-        from enginesmith.errors import UserError
+        from enginesmith.core.errors import UserError
 
         raise UserError("the device decode benchmark needs --new-tokens >= 2", "use more new tokens")
     config = GenerationConfig(max_new_tokens=new_tokens)
@@ -206,7 +206,7 @@ def bench_hf_generate(model, prompt: np.ndarray, new_tokens: int, repeats: int =
     untimed. Same prompt and token accounting as bench_device_engine."""
     import torch
 
-    from enginesmith.errors import UserError
+    from enginesmith.core.errors import UserError
 
     device = next(model.parameters()).device
     if device.type != "cuda":

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.measure.perplexity import _token_nll, spans
 from enginesmith.measure.speed import rss_mib
 

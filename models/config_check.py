@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.models.families import family_of
 
 MAX_BYTES = 4 << 20   # real config.json files are a few kB; bound what we read and parse

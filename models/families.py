@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 
 
 @dataclass(frozen=True)

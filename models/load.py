@@ -30,10 +30,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.models import config_check, dir_manifest, random_tokenizer
 from enginesmith.models.families import Family, family_of
-from enginesmith.paths import cache_dir, cache_fix, writing_to
+from enginesmith.core.paths import cache_dir, cache_fix, writing_to
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

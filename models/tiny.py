@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 
 VOCAB = 49152
 

@@ -12,9 +12,9 @@ passes: smoothquant, awq, awq_clip, w8a8 (quantize_w8a8), w4a16 (quantize_w4a16)
 is found by `passes()`.
 """
 
-from enginesmith.passes.calibrate import CalibrationSet, calibration_set, from_tokens
-from enginesmith.passes.pipeline import run_pipeline
-from enginesmith.passes.registry import (
+from enginesmith.passes.analysis.calibrate import CalibrationSet, calibration_set, from_tokens
+from enginesmith.passes.machinery.pipeline import run_pipeline
+from enginesmith.passes.machinery.registry import (
     PRESETS,
     Step,
     build_pipeline,
@@ -23,7 +23,7 @@ from enginesmith.passes.registry import (
     passes,
     preset_steps,
 )
-from enginesmith.passes.verify import PassCheckError
+from enginesmith.passes.machinery.verify import PassCheckError
 
 __all__ = [
     "CalibrationSet", "PRESETS", "PassCheckError", "Step", "build_pipeline", "calibration_set",

@@ -39,9 +39,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from enginesmith.errors import UserError
-from enginesmith.onnxruntime_flavour import inspect as inspect_onnxruntime
-from enginesmith.paths import cache_dir, writing_to
+from enginesmith.core.errors import UserError
+from enginesmith.core.onnxruntime_flavour import inspect as inspect_onnxruntime
+from enginesmith.core.paths import cache_dir, writing_to
 
 PLUGINS_DIR = Path(__file__).resolve().parent
 CHECKOUT_BUILD_DIR = PLUGINS_DIR / "build"

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.block_manager import KVCacheManager
 from enginesmith.runtime.kv_paged import PagedKVPool, build_step
 from enginesmith.runtime.sampling import SamplingParams, sample

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 
 
 class BlockHash(NamedTuple):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.tokenizer import check_text
 
 MAX_PROMPT_CHARS = 1 << 22  # more text than any context we run holds, and bounded tokenizer work

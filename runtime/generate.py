@@ -12,7 +12,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.sampling import SamplingParams, sample
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 
 
 class DenseKVCache:

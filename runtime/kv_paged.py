@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from enginesmith.errors import UserError
-from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core.errors import UserError
+from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.runtime.block_manager import KVCacheManager
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

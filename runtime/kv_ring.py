@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from enginesmith.errors import UserError
-from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core.errors import UserError
+from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 

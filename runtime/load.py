@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from enginesmith import engine_dir
-from enginesmith.errors import EngineError
-from enginesmith.manifest import KVLayout, Manifest
-from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core import engine_dir
+from enginesmith.core.errors import EngineError
+from enginesmith.core.manifest import KVLayout, Manifest
+from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
 from enginesmith.runtime.tokenizer import Tokenizer
 

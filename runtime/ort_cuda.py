@@ -35,8 +35,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from enginesmith.errors import UserError
-from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core.errors import UserError
+from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
 
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
@@ -501,7 +501,7 @@ def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, 
                     cuda_graph: bool = True):
     """A LoadedEngine (runtime.load) whose engine is a GqaEngine, for an engine directory built
     with the GQA lowering (build.json kv_layout.io == "gqa-shared-buffer")."""
-    from enginesmith import engine_dir
+    from enginesmith.core import engine_dir
     from enginesmith.runtime.load import LoadedEngine
     from enginesmith.runtime.tokenizer import Tokenizer
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from enginesmith.errors import UserError
-from enginesmith.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core.errors import UserError
+from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
 from enginesmith.runtime.kv_dense import DenseKVCache
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.chat import TextGuard, check_messages, render_chat
 from enginesmith.runtime.generate import GenerationConfig, generate_ids, stream
 

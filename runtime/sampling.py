@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 
 MAX_SEED = 2 ** 64  # seeds are 64-bit: numpy takes more, torch's CUDA generator does not
 

@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.sampling import SamplingParams, apply_repetition_penalty, probabilities
 
 
@@ -178,7 +178,7 @@ def open_drafter(spec: str, target_vocab: int, target_tokenizer=None, device: st
     if (Path(path) / "build.json").is_file():
         engine_path = Path(path)
     else:
-        from enginesmith.build import BuildConfig, cached_engine
+        from enginesmith.build.engine import BuildConfig, cached_engine
 
         engine_path = cached_engine(BuildConfig(model=path))
     draft = open_engine(engine_path, device=device, threads=threads)

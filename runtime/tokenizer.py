@@ -25,8 +25,8 @@ from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import SecurityError
 from tokenizers import Tokenizer as FastTokenizer
 
-from enginesmith.engine_dir import rebuild_fix
-from enginesmith.errors import EngineError, UserError
+from enginesmith.core.engine_dir import rebuild_fix
+from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime import chat_template
 
 MAX_TOKENIZER_JSON_BYTES = 64 << 20

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from enginesmith import engine_dir
-from enginesmith.errors import EngineError, UserError
-from enginesmith.manifest import KVLayout, Manifest
+from enginesmith.core import engine_dir
+from enginesmith.core.errors import EngineError, UserError
+from enginesmith.core.manifest import KVLayout, Manifest
 
 if TYPE_CHECKING:
     import tensorrt as trt

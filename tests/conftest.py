@@ -19,7 +19,7 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
 
 
 def _require_default_model():
-    from enginesmith.errors import UserError
+    from enginesmith.core.errors import UserError
     from enginesmith.models.load import default_gguf
 
     try:
@@ -38,7 +38,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
-    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.build.engine import BuildConfig, cached_engine
 
     _require_default_model()
     return cached_engine(BuildConfig(), progress=False)
@@ -51,7 +51,7 @@ def smollm2_onnx(smollm2_engine):
 
 @pytest.fixture(scope="session")
 def tiny_engine():
-    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.build.engine import BuildConfig, cached_engine
 
     built = {}
 

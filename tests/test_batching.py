@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.generate import GenerationConfig, generate_ids
 from enginesmith.runtime.ort_engine import OrtEngine

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.block_manager import KVCacheManager, hash_blocks
 
 BS = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from enginesmith.errors import UserError
-from enginesmith.measure import corpus
+from enginesmith.core.errors import UserError
+from enginesmith.models import corpus
 from external import missing
 
 

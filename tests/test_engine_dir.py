@@ -22,7 +22,8 @@ import pytest
 
 from audit_opens import opened_under
 
-from enginesmith import cli, engine_dir
+from enginesmith import cli
+from enginesmith.core import engine_dir
 
 @pytest.fixture
 def engine(tiny_engine, tmp_path) -> Path:

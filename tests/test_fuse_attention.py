@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from enginesmith.passes.fuse_attention import fuse_attention
+from enginesmith.passes.fusion.fuse_attention import fuse_attention
 
 FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
 GQA = {"llama": True, "qwen2": True, "mistral": True, "gpt2": False}

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from audit_opens import opened_under  # noqa: E402
-from enginesmith import cli, engine_dir  # noqa: E402
+from enginesmith import cli
+from enginesmith.core import engine_dir  # noqa: E402
 
 def fuzz(examples: int):
     return settings(max_examples=examples, derandomize=True, database=None, deadline=None,

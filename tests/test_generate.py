@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.generate import (GenerationConfig, IncrementalDetokenizer, generate, left_pad,
                                           positions, stream)
 from enginesmith.runtime.load import open_engine

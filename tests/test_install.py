@@ -20,8 +20,9 @@ from pathlib import Path
 import onnx
 import pytest
 
-from enginesmith import cli, onnxruntime_flavour
-from enginesmith.errors import UserError
+from enginesmith import cli
+from enginesmith.core import onnxruntime_flavour
+from enginesmith.core.errors import UserError
 from enginesmith.plugins import compile as plugin_compile
 from enginesmith.plugins import ort_ops
 from external import missing
@@ -47,7 +48,7 @@ def flavour_probe(*sites: Path) -> dict:
     """check() in a fresh interpreter that sees only `sites` and the repo (no site-packages)."""
     code = ("import json\n"
             "from enginesmith import onnxruntime_flavour as f\n"
-            "from enginesmith.errors import UserError\n"
+            "from enginesmith.core.errors import UserError\n"
             "i = f.inspect()\n"
             "out = {'flavour': i.flavour, 'version': i.version, 'notes': list(i.notes)}\n"
             "try:\n"

@@ -27,10 +27,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.passes import PassCheckError, Step, run_pipeline
-from enginesmith.passes.kv_paged import KVPagedParams, kv_paged
-from enginesmith.passes.paged_lower import lower_paged_graph
+from enginesmith.passes.kv.kv_paged import KVPagedParams, kv_paged
+from enginesmith.passes.lower.paged_lower import lower_paged_graph
 from enginesmith.runtime.kv_paged import PagedKVCache, PagedKVPool, PagedStep, build_step, check_step
 from enginesmith.runtime.ort_engine import OrtEngine
 
@@ -68,7 +68,7 @@ def h64_fp16_graph() -> Path:
     import transformers
 
     from enginesmith.export.to_onnx import export
-    from enginesmith.paths import cache_dir
+    from enginesmith.core.paths import cache_dir
 
     key = hashlib.sha256(f"h64|{torch.__version__}|{transformers.__version__}|{onnxscript.__version__}"
                          .encode()).hexdigest()[:16]
@@ -256,7 +256,7 @@ def test_fork_with_copy_on_write_matches_solo_runs(paged):
 
 
 def test_trt_lowering_writes_plugin_nodes_the_library_accepts(h64, tmp_path):
-    from enginesmith.deploy import trt_lint
+    from enginesmith.build import trt_lint
 
     out = tmp_path / "trt" / "model.onnx"
     report = make_paged(h64, out, 16, lower="trt")
@@ -290,7 +290,7 @@ def test_broken_paged_rewrite_fails_the_pipeline_loudly(tiny_engine, tmp_path, m
     """kv_paged (lower=cpu) is exact: a paged graph that computes something else than the dense one
     (here one layer's attention scale doubled) stops the pipeline and leaves no output behind.
     With verify=false the same graph goes through: the manager's comparison is what caught it."""
-    import enginesmith.passes.kv_paged as module
+    import enginesmith.passes.kv.kv_paged as module
 
     rewrite = module.rewrite_paged
 
@@ -438,7 +438,7 @@ def test_rollback_and_row_selection(paged):
 
 def test_paged_engine_from_build_generates_like_the_dense_engine(tiny_engine):
     """`enginesmith build --kv paged` end to end: build.json layout and greedy tokens equal dense."""
-    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.build.engine import BuildConfig, cached_engine
     from enginesmith.runtime.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 

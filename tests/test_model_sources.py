@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from enginesmith.cli import main
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.models import dir_manifest, random_tokenizer, tiny
 from enginesmith.models.load import default_gguf, resolve
-from enginesmith.paths import writing_to
+from enginesmith.core.paths import writing_to
 from external import missing
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.measure import perplexity as P
 
 
@@ -97,7 +97,7 @@ def test_ort_matches_torch_tiny(tiny_llama):
 @pytest.mark.slow
 def test_smollm2_ort_matches_torch_on_austen(smollm2, smollm2_onnx):
     """facts.md: SmolLM2 fp32, first 4096 tokens of Pride and Prejudice, no BOS, 1024 windows: 20.30."""
-    from enginesmith.measure.corpus import austen_text
+    from enginesmith.models.corpus import austen_text
     from enginesmith.runtime.ort_engine import OrtEngine
 
     ids = P.tokenize(smollm2.tokenizer, austen_text("prideprejudice"), 4096)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from enginesmith.build import BuildConfig, cached_engine
-from enginesmith.errors import EngineError
+from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.core.errors import EngineError
 from enginesmith.models import load as models
 from enginesmith.runtime.load import open_engine
 from tests.test_export_parity import ort_greedy, torch_greedy

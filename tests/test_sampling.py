@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.sampling import (SamplingParams, apply_repetition_penalty, filter_top_k,
                                           filter_top_p, probabilities, sample)
 

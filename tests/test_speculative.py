@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.runtime import speculative as sp
 from enginesmith.runtime.generate import GenerationConfig, generate, generate_ids
 from enginesmith.runtime.sampling import SamplingParams, probabilities

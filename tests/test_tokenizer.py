@@ -16,7 +16,7 @@ def pair(request, tiny_engine, tmp_path_factory):
     from transformers import AutoTokenizer
 
     if request.param == "smollm2":
-        from enginesmith.errors import UserError
+        from enginesmith.core.errors import UserError
         from enginesmith.models.load import default_gguf, load_tokenizer, resolve
 
         try:

@@ -29,8 +29,9 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models, pre_tokenizers
 
-from enginesmith import cli, engine_dir
-from enginesmith.errors import EngineError, UserError
+from enginesmith import cli
+from enginesmith.core import engine_dir
+from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime.chat import encode_chat, encode_prompt
 from enginesmith.runtime.generate import GenerationConfig
 from enginesmith.runtime.ring_chat import ChatSession

@@ -230,7 +230,7 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     """CPU work, overlapping the GenAI builds: random weights for the 1B skeletons, the SmolLM2
     fp16 engine (export from the GGUF) and its GQA lowering."""
     from benchmarks.gpu import skeleton
-    from enginesmith.build import BuildConfig, build, lower_for_cuda
+    from enginesmith.build.engine import BuildConfig, build, lower_for_cuda
     from enginesmith.plugins import ort_ops
 
     out = {}
@@ -267,8 +267,8 @@ def with_ops(path: Path, norm: bool = True, attention: bool = True) -> dict:
     test_ort_attention.py check the passes and the kernels."""
     import onnx_ir as ir
 
-    from enginesmith.passes.ort_attention import ort_attention
-    from enginesmith.passes.ort_gemv import OrtGemvParams, ort_gemv
+    from enginesmith.passes.lower.ort_attention import ort_attention
+    from enginesmith.passes.lower.ort_gemv import OrtGemvParams, ort_gemv
 
     t = time.time()
     dst = path.with_name(path.stem + ("ops" if norm and attention else "opsnonorm" if attention else "opsnoattn")

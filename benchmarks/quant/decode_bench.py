@@ -55,10 +55,10 @@ def main() -> None:
 
     import onnxruntime
 
-    from enginesmith.measure.corpus import austen_text
+    from enginesmith.models.corpus import austen_text
     from enginesmith.measure.perplexity import tokenize
     from enginesmith.models.load import load_tokenizer, resolve
-    from enginesmith.paths import cache_dir
+    from enginesmith.core.paths import cache_dir
     from enginesmith.runtime.ort_engine import OrtEngine
 
     sys.path.insert(0, str(HERE))

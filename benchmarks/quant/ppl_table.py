@@ -37,7 +37,7 @@ def exported(dtype: str) -> Path:
     """SmolLM2 exported once per dtype into the cache dir (opset 23)."""
     from enginesmith.export.to_onnx import export
     from enginesmith.models.load import load, resolve
-    from enginesmith.paths import cache_dir
+    from enginesmith.core.paths import cache_dir
 
     path = cache_dir() / "bench" / f"smollm2-{resolve(None).sha256[:12]}-{dtype}-op23" / "model.onnx"
     if not path.is_file():
@@ -86,11 +86,11 @@ def main() -> None:
         _write(args, saved["rows"], saved["meta"]["fp16_bytes"], saved["meta"]["calibration"])
         return
 
-    from enginesmith.measure.corpus import austen_text
+    from enginesmith.models.corpus import austen_text
     from enginesmith.measure.perplexity import ort_logits_fn, perplexity, tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.passes import build_pipeline, calibration_set, run_pipeline
-    from enginesmith.paths import cache_dir
+    from enginesmith.core.paths import cache_dir
     from enginesmith.runtime.ort_engine import OrtEngine
 
     src, fp16 = exported("fp32"), exported("fp16")

@@ -45,12 +45,12 @@ def main() -> None:
 
     import onnxruntime
 
-    from enginesmith.measure.corpus import austen_text
+    from enginesmith.models.corpus import austen_text
     from enginesmith.measure.perplexity import ort_logits_fn, perplexity, tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.passes import calibration_set, run_pipeline
-    from enginesmith.passes.sparsify import SparsifyParams, sparsify
-    from enginesmith.paths import cache_dir
+    from enginesmith.passes.quant.sparsify import SparsifyParams, sparsify
+    from enginesmith.core.paths import cache_dir
     from enginesmith.runtime.ort_engine import OrtEngine
 
     src = exported_fp32()

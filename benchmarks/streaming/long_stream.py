@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
-from enginesmith.measure import corpus, perplexity, streaming  # noqa: E402
+from enginesmith.measure import perplexity, streaming
+from enginesmith.models import corpus  # noqa: E402
 
 
 def run(args) -> None:

@@ -33,7 +33,7 @@ def _perturb(model, seed: int = 0) -> None:
 def _private_cache(tmp_path_factory):
     """Calibration statistics of the tests go to a session temp dir, not ~/.cache."""
     global _CACHE_ROOT
-    from enginesmith.paths import cache_dir
+    from enginesmith.core.paths import cache_dir
 
     _CACHE_ROOT = cache_dir()
     mp = pytest.MonkeyPatch()

@@ -7,11 +7,11 @@ import onnx_ir as ir
 import pytest
 
 from enginesmith.passes import run_pipeline
-from enginesmith.passes.edit import Namer
-from enginesmith.passes.fold import fold_scales
-from enginesmith.passes.pipeline import save
-from enginesmith.passes.sites import plan
-from enginesmith.passes.verify import compare
+from enginesmith.passes.machinery.edit import Namer
+from enginesmith.passes.quant.fold import fold_scales
+from enginesmith.passes.machinery.pipeline import save
+from enginesmith.passes.analysis.sites import plan
+from enginesmith.passes.machinery.verify import compare
 
 from quant_helpers import ort_logits
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import collections
 
-import enginesmith.passes.fuse_matmul  # noqa: F401  (registers the pass)
+import enginesmith.passes.fusion.fuse_matmul  # noqa: F401  (registers the pass)
 import onnx
 import pytest
 from enginesmith.passes import run_pipeline
-from enginesmith.passes.fuse_matmul import FuseMatMulParams
+from enginesmith.passes.fusion.fuse_matmul import FuseMatMulParams
 
 
 def test_siblings_fused_and_outputs_unchanged(tiny_onnx, tmp_path):
@@ -33,7 +33,7 @@ def test_matmul_transb_is_exact_and_reads_the_tied_table(tiny_onnx, tmp_path):
     """matmul_transb: every constant-weight MatMul becomes FusedMatMul(transB=1) on the weight stored
     [N, K]; a tied lm_head (MatMul over Transpose(embedding)) reads the embedding table itself.
     The pass manager compares the outputs with the graph before the pass."""
-    import enginesmith.passes.matmul_transb  # noqa: F401
+    import enginesmith.passes.fusion.matmul_transb  # noqa: F401
 
     src = tiny_onnx("llama")
     out = tmp_path / "model.onnx"

@@ -11,11 +11,11 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-import enginesmith.passes.lower_gqa  # noqa: F401  (registers the passes)
-import enginesmith.passes.skip_rmsnorm  # noqa: F401
-from enginesmith.errors import UserError
+import enginesmith.passes.lower.lower_gqa  # noqa: F401  (registers the passes)
+import enginesmith.passes.fusion.skip_rmsnorm  # noqa: F401
+from enginesmith.core.errors import UserError
 from enginesmith.passes import run_pipeline
-from enginesmith.passes.lower_gqa import LowerGqaParams, lower_gqa
+from enginesmith.passes.lower.lower_gqa import LowerGqaParams, lower_gqa
 
 
 def _ops(path) -> collections.Counter:
@@ -75,7 +75,7 @@ def test_lowered_fp32_graph_gives_the_same_logits(tiny_engine, tmp_path, family)
 
 def test_lowered_fp16_graph_with_decomposed_rotary(tmp_path):
     """fp16 exports keep RoPE decomposed (x*cos + rotate_half(x)*sin): lowered the same way."""
-    from enginesmith.build import BuildConfig, cached_engine
+    from enginesmith.build.engine import BuildConfig, cached_engine
 
     src = cached_engine(BuildConfig(model="tiny:llama", dtype="fp16"), progress=False) / "model.onnx"
     assert _ops(src)["RotaryEmbedding"] == 0
@@ -110,8 +110,8 @@ def test_capacity_must_be_positive():
 
 def test_rotary_table_matches_the_graph(tiny_engine):
     """cos/sin tables come from evaluating the graph's own position subgraph."""
-    from enginesmith.passes import match
-    from enginesmith.passes.lower_gqa import RULES, position_table
+    from enginesmith.passes.machinery import match
+    from enginesmith.passes.lower.lower_gqa import RULES, position_table
 
     model = ir.load(tiny_engine("llama") / "model.onnx")
     found, _ = match.find_all(model, RULES)
@@ -140,7 +140,7 @@ def test_fused_gate_up_quantizes_as_one_matmulnbits(tiny_engine, tmp_path):
 def test_transposed_weights_after_lowering_give_the_same_logits(tiny_engine, tmp_path):
     """matmul_transb on the lowered graph (FusedMatMul on [N, K] weights, the tied lm_head on the
     embedding table) keeps the decode paths' logits."""
-    import enginesmith.passes.matmul_transb  # noqa: F401
+    import enginesmith.passes.fusion.matmul_transb  # noqa: F401
 
     out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
                            "lower_gqa:capacity=64,skip_rmsnorm,matmul_transb")

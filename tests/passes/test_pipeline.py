@@ -8,11 +8,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from enginesmith.errors import UserError
-from enginesmith.passes import calibrate, from_tokens, run_pipeline
-from enginesmith.passes.linears import find_linears
-from enginesmith.passes.pipeline import save
-from enginesmith.passes.registry import PassResult, Step, register
+from enginesmith.core.errors import UserError
+from enginesmith.passes import from_tokens, run_pipeline
+from enginesmith.passes.analysis import calibrate
+from enginesmith.passes.analysis.linears import find_linears
+from enginesmith.passes.machinery.pipeline import save
+from enginesmith.passes.machinery.registry import PassResult, Step, register
 
 
 def _leftovers(directory) -> list[str]:

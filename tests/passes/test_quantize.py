@@ -7,12 +7,13 @@ import onnx_ir as ir
 import pytest
 from quant_helpers import graph_logits, ort_logits
 
-from enginesmith.passes import qmath, run_pipeline
-from enginesmith.passes.edit import Namer, set_constant
-from enginesmith.passes.linears import find_linears, select
-from enginesmith.passes.lower_ort import pack_int4
-from enginesmith.passes.pipeline import save
-from enginesmith.passes.verify import compare
+from enginesmith.passes import run_pipeline
+from enginesmith.passes.quant import qmath
+from enginesmith.passes.machinery.edit import Namer, set_constant
+from enginesmith.passes.analysis.linears import find_linears, select
+from enginesmith.passes.lower.lower_ort import pack_int4
+from enginesmith.passes.machinery.pipeline import save
+from enginesmith.passes.machinery.verify import compare
 
 
 def _ops(path) -> list[str]:
@@ -117,7 +118,7 @@ def test_quant_math():
 
 
 def test_awq_clip_never_hurts_the_calibration_error(tiny_onnx, calib, tmp_path):
-    from enginesmith.passes.awq_clip import clip_weight
+    from enginesmith.passes.quant.awq_clip import clip_weight
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 96)).astype(np.float32)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from enginesmith.errors import UserError
+from enginesmith.core.errors import UserError
 from enginesmith.passes import PRESETS, build_pipeline, parse_pipeline, passes, preset_steps
-from enginesmith.passes.registry import calibrated_steps
+from enginesmith.passes.machinery.registry import calibrated_steps
 
 
 def test_parse_pipeline_names_params_and_types():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from enginesmith.passes.linears import find_linears, select
-from enginesmith.passes.sites import find_sites, plan
+from enginesmith.passes.analysis.linears import find_linears, select
+from enginesmith.passes.analysis.sites import find_sites, plan
 
 
 def test_llama_linears_and_sites(tiny_onnx):

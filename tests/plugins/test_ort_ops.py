@@ -193,7 +193,7 @@ def test_bad_inputs_are_named(ops_lib):
 def tiny_engines(ops_lib, tmp_path_factory):
     """Tiny llama fp16 (head size 64: the attention op applies), lowered for the GQA engine with and
     without the custom ops (fp16, w4a16)."""
-    from enginesmith.build import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
 
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     out = {}
@@ -244,7 +244,7 @@ def test_pass_rewrites_every_linear_and_keeps_greedy_output(tiny_engines, quant)
 
 
 def test_engine_without_the_library_names_it(tiny_engines, monkeypatch, tmp_path):
-    from enginesmith.errors import UserError
+    from enginesmith.core.errors import UserError
     from enginesmith.runtime.ort_cuda import open_gqa_engine
 
     monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(tmp_path / "missing.so"))

@@ -1,1 +1,0 @@
-"""Deployment: TensorRT lint, Triton Inference Server model repositories, Jetson presets."""

@@ -1,0 +1,290 @@
+"""kv_layout=ring: the concat-grown KV cache -> fixed sink + window caches (StreamingLLM).
+
+Dimension legend: B batch, S new tokens, Hkv key/value heads, D head size, s sinks, w window,
+C = s + w cache slots.
+
+Per layer, before (dense; the cache grows by S every step):
+
+    k ─ RotaryEmbedding(position_ids) ─ Concat(past_k) ─ present_k ─ [GQA repeat] ─┐
+    v ───────────────────────────────── Concat(past_v) ─ present_v ─ [GQA repeat] ─┤
+    q ─ RotaryEmbedding(position_ids) ─────────────────────────────────────── Attention(mask from attention_mask)
+
+after (ring; nothing grows, keys are stored unrotated):
+
+    k ─┬ TensorScatter(past_k [B,Hkv,w,D], write_indices, circular) ─ present_k ──────┐
+       └ Where(sink_sources >= 0, GatherElements(k), past_sinks_k [B,Hkv,s,D]) ─ present_sinks_k
+                                   Concat(sinks, window) [B,Hkv,C,D] ─ RotaryEmbedding(cache_positions) ─┐
+    v ─┬ TensorScatter(past_v) ─ present_v ───── Concat(sinks, window) ─────────────────────────────────┤
+       └ Where(..., past_sinks_v) ─ present_sinks_v                                                     │
+    q ─ RotaryEmbedding(position_ids) ───────── Attention(q, K, V, occupied & cache_pos <= query_pos) ─┘
+
+The new tokens are written first, then attended to with the whole cache: the chunk evicts the
+oldest window entries it needs room for, which is StreamingLLM's `evict_for_space` followed by
+appending the chunk (a chunk is therefore at most `window` tokens). RoPE positions are positions
+in the cache (sinks 0..s-1, then the window oldest first), bounded by C, so a stream of any length
+never loses precision. Which slots are occupied, the slots' positions, where the window write
+starts and which chunk token fills which sink are inputs computed by the runtime's RingKVCache:
+
+    input_ids [B, S]   position_ids [B, S]: each new token's position in the cache (pads: 0)
+    attention_mask [B, C]: 1 = slot holds a token after this step's write (order: sinks, window)
+    cache_positions [B, C]   write_indices [B]: window slot of the chunk's first column
+    sink_sources [B, s]: chunk column that fills sink slot j this step, or -1 (s > 0 only)
+    past_key_values.{i}.key/value [B, Hkv, w, D]   past_sinks.{i}.key/value [B, Hkv, s, D]
+    -> logits, present.{i}.key/value (same shapes: bind them to the past buffers, TensorScatter
+       updates in place), present_sinks.{i}.key/value
+
+Needs the standard Attention and RotaryEmbedding ops (an opset >= 23 export, or fuse_attention
+first); a model without rotary embeddings (GPT-2's learned positions) cannot move its tokens'
+positions and is refused. The pass is exact before any eviction (tested against the dense graph).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from enginesmith.core.errors import UserError
+from enginesmith.passes.machinery import match
+from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node
+from enginesmith.passes.fusion.fuse_attention import dense_kv_reason, ensure_opset, remove_dead_nodes
+from enginesmith.passes.machinery.match import Match, Rule, gqa_repeat
+from enginesmith.passes.machinery.registry import PassContext, PassResult, register
+from enginesmith.passes.kv.ring_rope import RopeCloner, rotary_for_cache
+
+RING_OPSET = 24  # TensorScatter
+METADATA_KEY = "enginesmith.kv_layout"
+
+
+@dataclass(frozen=True)
+class KVRingParams:
+    sinks: int = 4
+    window: int = 1020
+
+    def __post_init__(self):
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise UserError(f"kv_ring sinks={self.sinks!r} is negative",
+                            "use 0 or more attention-sink tokens (StreamingLLM uses 4)")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise UserError(f"kv_ring window={self.window!r} must be at least 1 token",
+                            "use a window of recent tokens, e.g. 1020")
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+
+class DenseKVAttention(Rule):
+    """Root: the Attention of one layer whose K/V come from Concat(past, new) [+ GQA repeat]."""
+
+    def __init__(self, gqa: bool):
+        self.gqa = gqa
+        self.name = "dense_kv_attention" + ("+gqa" if gqa else "")
+
+    def pattern(self, op, q, past_k, k_new, past_v, v_new):
+        k_rot = op.RotaryEmbedding(k_new, _allow_other_inputs=True, _allow_other_attributes=True,
+                                   _outputs=["k_rot"])
+        k = op.Concat(past_k, k_rot, _allow_other_attributes=True, _outputs=["present_k"])
+        v = op.Concat(past_v, v_new, _allow_other_attributes=True, _outputs=["present_v"])
+        if self.gqa:
+            k, v = gqa_repeat(op, k), gqa_repeat(op, v)
+        return op.Attention(q, k, v, _allow_other_inputs=True, _allow_other_attributes=True)
+
+    def check(self, m: Match) -> str | None:
+        reason = dense_kv_reason(m, self.gqa)
+        if reason:
+            return reason
+        if match.attr(m.root, "is_causal", 0):
+            return "Attention uses is_causal (its mask is not the exported one)"
+        if len(m["k_rot"].uses()) != 1:
+            return "the rotated new keys are used outside the cache"
+        return None
+
+
+RULES = [DenseKVAttention(True), DenseKVAttention(False)]
+
+
+@dataclass
+class _Inputs:
+    """The ring's shared graph inputs and the values built from them once for all layers."""
+
+    mask: ir.Value               # [B, 1, S, C] bool: what each new token attends to
+    cache_positions: ir.Value    # [B, C]
+    write_indices: ir.Value      # [B]
+    sink_sources: ir.Value | None  # [B, s]
+    sink_write: ir.Value | None  # [B, 1, s, 1] bool
+    sink_index: ir.Value | None  # [B, 1, s, 1] int64, clamped to >= 0
+
+
+def _graph_input(graph: ir.Graph, name: str) -> ir.Value:
+    for value in graph.inputs:
+        if value.name == name:
+            return value
+    raise UserError(f"the graph has no input {name!r}", "export the model with the KV-cache signature")
+
+
+def _new_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list, after: ir.Value) -> ir.Value:
+    value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
+    graph.inputs.insert(list(graph.inputs).index(after) + 1, value)
+    return value
+
+
+def _shared_inputs(graph: ir.Graph, namer: Namer, params: KVRingParams, batch) -> _Inputs:
+    mask_in = _graph_input(graph, "attention_mask")
+    positions = _graph_input(graph, "position_ids")
+    c = params.capacity
+    mask_in.shape = ir.Shape([batch, c])
+    cache_positions = _new_input(graph, "cache_positions", ir.DataType.INT64, [batch, c], positions)
+    write_indices = _new_input(graph, "write_indices", ir.DataType.INT64, [batch], cache_positions)
+    sink_sources = None
+    if params.sinks:
+        sink_sources = _new_input(graph, "sink_sources", ir.DataType.INT64, [batch, params.sinks],
+                                  write_indices)
+
+    def const(name, array):
+        return add_initializer(graph, namer, name, np.asarray(array, dtype=np.int64))
+
+    axes_12, axes_13 = const("ring_axes_12", [1, 2]), const("ring_axes_13", [1, 3])
+    occupied = add_node(graph, namer, "Cast", [mask_in], {"to": int(ir.DataType.BOOL)},
+                        dtype=ir.DataType.BOOL, base="ring_occupied")
+    occupied = add_node(graph, namer, "Unsqueeze", [occupied, axes_12], dtype=ir.DataType.BOOL)
+    key_pos = add_node(graph, namer, "Unsqueeze", [cache_positions, axes_12], dtype=ir.DataType.INT64)
+    query_pos = add_node(graph, namer, "Unsqueeze", [positions, axes_13], dtype=ir.DataType.INT64)
+    causal = add_node(graph, namer, "LessOrEqual", [key_pos, query_pos], dtype=ir.DataType.BOOL)
+    mask = add_node(graph, namer, "And", [occupied, causal], dtype=ir.DataType.BOOL, base="ring_mask")
+    sink_write = sink_index = None
+    if sink_sources is not None:
+        zero = const("ring_zero", 0)
+        writes = add_node(graph, namer, "GreaterOrEqual", [sink_sources, zero], dtype=ir.DataType.BOOL)
+        sink_write = add_node(graph, namer, "Unsqueeze", [writes, axes_13], dtype=ir.DataType.BOOL,
+                              base="ring_sink_write")
+        clamped = add_node(graph, namer, "Max", [sink_sources, zero], dtype=ir.DataType.INT64)
+        sink_index = add_node(graph, namer, "Unsqueeze", [clamped, axes_13], dtype=ir.DataType.INT64,
+                              base="ring_sink_index")
+    return _Inputs(mask, cache_positions, write_indices, sink_sources, sink_write, sink_index)
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    found = re.fullmatch(r"past_key_values\.(\d+)\.(key|value)", name or "")
+    return int(found.group(1)) if found else fallback
+
+
+def _ring_one(graph: ir.Graph, namer: Namer, shared: _Inputs, params: KVRingParams, m: Match,
+              layer: int, cloner: RopeCloner, expanded_index: dict) -> None:
+    """Rewrite one matched layer (see the module doc)."""
+    att = m.root
+    rope = m["k_rot"].producer()
+    batch = m["past_k"].shape[0]
+    caches = {}
+    for kind, past, new, present in (("key", m["past_k"], m["k_new"], m["present_k"]),
+                                     ("value", m["past_v"], m["v_new"], m["present_v"])):
+        heads, dim = past.shape[1], past.shape[3]
+        past.shape = ir.Shape([batch, heads, params.window, dim])
+        window = add_node(graph, namer, "TensorScatter", [past, new, shared.write_indices],
+                          {"axis": 2, "mode": "circular"}, like=past, shape=past.shape,
+                          base=f"ring_window_{kind}_{layer}")
+        index = graph.outputs.index(present)
+        present.name = namer(f"{present.name}_dense")
+        window.name = f"present.{layer}.{kind}"
+        graph.outputs[index] = window
+        cache = window
+        if params.sinks:
+            sinks_in = ir.Value(name=f"past_sinks.{layer}.{kind}", type=past.type,
+                                shape=ir.Shape([batch, heads, params.sinks, dim]))
+            graph.inputs.append(sinks_in)
+            key = (heads, dim)
+            if key not in expanded_index:
+                shape = add_node(graph, namer, "Shape", [sinks_in], dtype=ir.DataType.INT64)
+                expanded_index[key] = add_node(graph, namer, "Expand", [shared.sink_index, shape],
+                                               dtype=ir.DataType.INT64)
+            gathered = add_node(graph, namer, "GatherElements", [new, expanded_index[key]], {"axis": 2},
+                                like=past, shape=sinks_in.shape)
+            sinks = add_node(graph, namer, "Where", [shared.sink_write, gathered, sinks_in], like=past,
+                             shape=sinks_in.shape, base=f"ring_sinks_{kind}_{layer}")
+            sinks.name = f"present_sinks.{layer}.{kind}"
+            graph.outputs.append(sinks)
+            cache = add_node(graph, namer, "Concat", [sinks, window], {"axis": 2}, like=past,
+                             shape=ir.Shape([batch, heads, params.capacity, dim]))
+        caches[kind] = cache
+    keys = rotary_for_cache(graph, namer, rope, caches["key"], shared.cache_positions, cloner)
+    att.replace_input_with(1, keys)
+    att.replace_input_with(2, caches["value"])
+    if len(att.inputs) > 3:
+        att.replace_input_with(3, shared.mask)
+    else:
+        att.resize_inputs(4)
+        att.replace_input_with(3, shared.mask)
+
+
+def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
+    """A ring layout must cover every layer: explain what stops it."""
+    attention = [n for n in model.graph if n.op_type == "Attention"]
+    if "write_indices" in {v.name for v in model.graph.inputs}:
+        raise UserError("the graph already has a ring KV layout", "apply kv_ring to a dense graph")
+    if not attention:
+        raise UserError("the graph has no Attention op for kv_ring to rewrite",
+                        "run fuse_attention first, or export at opset 23 or later")
+    if not any(n.op_type == "RotaryEmbedding" for n in model.graph):
+        raise UserError("kv_ring needs rotary position embeddings (positions are moved to the "
+                        "tokens' places in the cache); this model has none (learned absolute "
+                        "positions, as GPT-2)", "use the dense KV layout for this model")
+    matched = {id(m.root) for m in found}
+    missing = [n for n in attention if id(n) not in matched]
+    reasons = {id(r.root): r.reason for r in rejected}
+    if missing:
+        first = missing[0]
+        why = reasons.get(id(first), "its K/V do not come from RotaryEmbedding + Concat(past, new)")
+        raise UserError(f"kv_ring cannot convert attention {first.name!r} ({len(missing)} of "
+                        f"{len(attention)} layers): {why}", "use the dense KV layout for this graph")
+
+
+def _check_inputs_consumed(model: ir.Model) -> None:
+    """After the rewrite, the dense inputs must feed only the ring's own nodes."""
+    allowed = {"attention_mask": {"Cast"}, "position_ids": None}
+    for value in model.graph.inputs:
+        if value.name == "attention_mask":
+            users = {u.node.op_type for u in value.uses()}
+            if not users <= allowed["attention_mask"]:
+                raise UserError(f"attention_mask is still used by {sorted(users)} after the ring "
+                                "rewrite", "use the dense KV layout for this graph")
+        if value.name.startswith("past_key_values."):
+            # The exporter takes the batch size from a past input's shape: that dim is unchanged.
+            users = {u.node.op_type for u in value.uses()
+                     if not (u.node.op_type == "Shape" and _shape_skips_sequence(u.node))}
+            if users != {"TensorScatter"}:
+                raise UserError(f"{value.name} is read by {sorted(users)} besides the cache update",
+                                "use the dense KV layout for this graph")
+
+
+def _shape_skips_sequence(node: ir.Node) -> bool:
+    """A Shape node that does not read dim 2 (the past length, whose meaning the ring changes)."""
+    start, end = match.attr(node, "start", 0), match.attr(node, "end", None)
+    start = start + 4 if start < 0 else start
+    end = 4 if end is None else (end + 4 if end < 0 else end)
+    return end <= 2 or start >= 3
+
+
+@register("kv_ring", KVRingParams, exact=True)
+def kv_ring(model: ir.Model, params: KVRingParams | None = None, ctx: PassContext | None = None) -> PassResult:
+    """Dense concat KV cache -> StreamingLLM sink + window ring buffers (TensorScatter, opset 24)."""
+    params = params or KVRingParams()
+    found, rejected = match.find_all(model, RULES)
+    _refuse(model, found, rejected)
+    graph = model.graph
+    namer = Namer(graph)
+    batch = found[0]["past_k"].shape[0]
+    shared = _shared_inputs(graph, namer, params, batch)
+    cloner = RopeCloner(graph, namer, _graph_input(graph, "position_ids"), shared.cache_positions, "cache")
+    expanded: dict = {}
+    for i, m in enumerate(found):  # collect the matches first, then change the graph
+        _ring_one(graph, namer, shared, params, m, _layer_index(m["past_k"].name, i), cloner, expanded)
+    remove_dead_nodes(model)
+    graph.sort()
+    _check_inputs_consumed(model)
+    ensure_opset(model, RING_OPSET)
+    model.metadata_props[METADATA_KEY] = json.dumps(
+        {"type": "ring", "sinks": params.sinks, "window": params.window, "capacity": params.capacity})
+    return PassResult({"ring_layers": len(found)}, rejected)

@@ -1,0 +1,197 @@
+"""The paged KV rewrite: a concat-grown KV cache -> `enginesmith.PagedAttention` over page pools.
+
+Dimension legend: B rows, S new tokens, H query heads, Hkv key/value heads, D head size, BS page
+size, NB pages in the pool, MB pages per row in the block table.
+
+Per layer, before (dense; the cache grows by S every step):
+
+    k ─ Concat(past_k [B,Hkv,P,D]) ─ present_k ─ [GQA repeat] ─┐
+    v ─ Concat(past_v) ─────────── present_v ─ [GQA repeat] ─┤
+    q ───────────────────────────────────────────── Attention(mask from attention_mask) ─ y
+
+after (the IR op, whose layout is the TensorRT plugin's, plugins/paged_attention):
+
+    q, k, v ─ Transpose to [B,S,heads,D] ─┐
+    past_k, past_v: pools [NB,BS,Hkv,D] ──┤
+    block_tables [B,MB] int32 ────────────┼─ enginesmith.PagedAttention ─┬─ out [B,S,H,D] ─ Transpose ─ y
+    context_lens [B] int32 ───────────────┤   (write new K/V through    ├─ present_k (the pool, in place)
+    slot_mapping [B,S] int32 ─────────────┘    the slots, then attend)  └─ present_v
+
+`attention_mask` leaves the graph (context_lens and the slots say everything); query column s of
+row b sits at position context_lens[b] - S + s and attends causally (runtime/kv_paged.py). Shape
+nodes the exporter hung on the past inputs read the batch from input_ids instead. A graph where any
+layer does not match, or where the past length drives more than the mask, is refused as a whole.
+The node's attributes: num_heads, num_kv_heads, head_size, block_size (= BS), scale, write_kv = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import onnx_ir as ir
+
+from enginesmith.core.errors import UserError
+from enginesmith.passes.machinery import match
+from enginesmith.passes.machinery.edit import Emit, Namer
+from enginesmith.passes.fusion.fuse_attention import dense_kv_reason, ensure_opset, remove_dead_nodes
+from enginesmith.passes.machinery.match import Match, Rule, gqa_repeat
+
+DOMAIN = "enginesmith"
+METADATA_KEY = "enginesmith.kv_layout"
+PERM = [0, 2, 1, 3]  # [B, heads, S, D] <-> [B, S, heads, D]
+
+
+class DenseKVAttention(Rule):
+    """Root: a layer's Attention whose K/V are Concat(past input, new) [+ GQA repeat]."""
+
+    def __init__(self, gqa: bool):
+        self.gqa = gqa
+        self.name = "dense_kv_attention" + ("+gqa" if gqa else "")
+
+    def pattern(self, op, q, past_k, k_new, past_v, v_new):
+        k = op.Concat(past_k, k_new, _allow_other_attributes=True, _outputs=["present_k"])
+        v = op.Concat(past_v, v_new, _allow_other_attributes=True, _outputs=["present_v"])
+        if self.gqa:
+            k, v = gqa_repeat(op, k), gqa_repeat(op, v)
+        return op.Attention(q, k, v, _allow_other_inputs=True, _allow_other_attributes=True)
+
+    def check(self, m: Match) -> str | None:
+        att = m.root
+        reason = dense_kv_reason(m, self.gqa)
+        if reason:
+            return reason
+        q = m["q"]
+        if q.shape is None or len(q.shape) != 4 or not isinstance(q.shape[1], int):
+            return "query has no static [B, H, S, D] shape"
+        if q.shape[1] % m["past_k"].shape[1]:
+            return f"{q.shape[1]} query heads are not a multiple of {m['past_k'].shape[1]} KV heads"
+        for name, default in (("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0)):
+            if match.attr(att, name, default) != default:
+                return f"Attention has {name}={match.attr(att, name)} (the paged op supports plain softmax)"
+        return None
+
+
+RULES = [DenseKVAttention(True), DenseKVAttention(False)]
+
+
+def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((v for v in graph.inputs if v.name == name), None)
+
+
+def _layer_index(name: str, fallback: int) -> int:
+    found = re.fullmatch(r"past_key_values\.(\d+)\.(key|value)", name or "")
+    return int(found.group(1)) if found else fallback
+
+
+def _metadata_inputs(graph: ir.Graph, batch) -> tuple[ir.Value, ir.Value, ir.Value]:
+    seq = _graph_input(graph, "input_ids").shape[1]
+    after = list(graph.inputs).index(_graph_input(graph, "position_ids"))
+    made = []
+    for i, (name, shape) in enumerate((("block_tables", [batch, "max_blocks"]), ("context_lens", [batch]),
+                                       ("slot_mapping", [batch, seq]))):
+        value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape(shape))
+        graph.inputs.insert(after + 1 + i, value)
+        made.append(value)
+    return tuple(made)
+
+
+def _paged_one(graph: ir.Graph, namer: Namer, m: Match, layer: int, page_size: int, meta) -> None:
+    """Replace one matched layer by an enginesmith.PagedAttention node (see the module doc)."""
+    att, past_k, past_v = m.root, m["past_k"], m["past_v"]
+    q = m["q"]
+    batch, heads, seq, dim = q.shape
+    kv_heads = past_k.shape[1]
+    dtype = q.type.dtype
+    scale = match.attr(att, "scale", None) or 1.0 / math.sqrt(dim)
+    emit = Emit(graph, namer, f"paged_{layer}")
+    q4 = emit("Transpose", [q], {"perm": PERM}, dtype, [batch, seq, heads, dim])
+    k4 = emit("Transpose", [m["k_new"]], {"perm": PERM}, dtype, [batch, seq, kv_heads, dim])
+    v4 = emit("Transpose", [m["v_new"]], {"perm": PERM}, dtype, [batch, seq, kv_heads, dim])
+    for pool in (past_k, past_v):
+        pool.shape = ir.Shape(["num_pages", page_size, kv_heads, dim])
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_size": dim, "block_size": page_size,
+             "scale": float(scale), "write_kv": 1}
+    out, k_out, v_out = emit("PagedAttention", [q4, k4, v4, past_k, past_v, *meta], attrs, domain=DOMAIN,
+                             outputs=3)
+    out.type, out.shape = ir.TensorType(dtype), ir.Shape([batch, seq, heads, dim])
+    for value, pool in ((k_out, past_k), (v_out, past_v)):
+        value.type, value.shape = pool.type, pool.shape
+    y = emit("Transpose", [out], {"perm": PERM}, dtype, att.outputs[0].shape)
+    for node in emit.nodes:
+        graph.insert_before(att, node)
+    att.outputs[0].replace_all_uses_with(y)
+    for present, value, kind in ((m["present_k"], k_out, "key"), (m["present_v"], v_out, "value")):
+        index = graph.outputs.index(present)
+        present.name = namer(f"{present.name}_dense")
+        value.name = f"present.{layer}.{kind}"
+        graph.outputs[index] = value
+
+
+def _fix_shape_readers(graph: ir.Graph, pools: list[ir.Value], input_ids: ir.Value) -> None:
+    """Shape nodes the exporter hung on past inputs: the batch (dim 0) now comes from input_ids,
+    Hkv/D are static; the past length has no meaning any more and must not be read."""
+    for pool in pools:
+        for use in list(pool.uses()):
+            node = use.node
+            if node.domain == DOMAIN and node.op_type == "PagedAttention":
+                continue
+            if node.op_type != "Shape":
+                raise UserError(f"{pool.name} is read by {node.op_type} {node.name!r} besides the attention",
+                                "use the dense KV layout for this graph")
+            start, end = match.attr(node, "start", 0), match.attr(node, "end", None)
+            start = start + 4 if start < 0 else start
+            end = 4 if end is None else (end + 4 if end < 0 else end)
+            if (start, end) != (0, 1):
+                raise UserError(f"{node.name!r} reads dims {start}..{end - 1} of {pool.name} (the past length "
+                                "drives more than the attention mask)", "use the dense KV layout for this graph")
+            node.replace_input_with(use.idx, input_ids)
+
+
+def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
+    graph = model.graph
+    if _graph_input(graph, "block_tables") is not None:
+        raise UserError("the graph already has a paged KV layout", "apply kv_paged to a dense graph")
+    if _graph_input(graph, "write_indices") is not None:
+        raise UserError("the graph has a ring KV layout", "apply kv_paged to the dense graph instead")
+    for name in ("input_ids", "position_ids", "attention_mask"):
+        if _graph_input(graph, name) is None:
+            raise UserError(f"the graph has no input {name!r}", "export the model with the KV-cache signature")
+    attention = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+    if not attention:
+        raise UserError("the graph has no Attention op for kv_paged to rewrite",
+                        "run fuse_attention first, or export at opset 23 or later")
+    matched = {id(m.root) for m in found}
+    missing = [n for n in attention if id(n) not in matched]
+    if missing:
+        reasons = {id(r.root): r.reason for r in rejected}
+        why = reasons.get(id(missing[0]), "its K/V do not come from Concat(past input, new)")
+        raise UserError(f"kv_paged cannot convert attention {missing[0].name!r} ({len(missing)} of "
+                        f"{len(attention)} layers): {why}", "use the dense KV layout for this graph")
+
+
+def rewrite_paged(model: ir.Model, page_size: int) -> dict[str, int]:
+    """Dense graph -> enginesmith.PagedAttention graph (lower=none), in place; returns counts."""
+    found, rejected = match.find_all(model, RULES)
+    _refuse(model, found, rejected)
+    graph = model.graph
+    namer = Namer(graph)
+    meta = _metadata_inputs(graph, _graph_input(graph, "input_ids").shape[0])
+    pools = []
+    for i, m in enumerate(found):  # collect the matches first, then change the graph
+        _paged_one(graph, namer, m, _layer_index(m["past_k"].name, i), page_size, meta)
+        pools += [m["past_k"], m["past_v"]]
+    remove_dead_nodes(model)
+    _fix_shape_readers(graph, pools, _graph_input(graph, "input_ids"))
+    mask = _graph_input(graph, "attention_mask")
+    if mask.uses():
+        users = sorted({u.node.op_type for u in mask.uses()})
+        raise UserError(f"attention_mask is still used by {users} after the paged rewrite",
+                        "use the dense KV layout for this graph")
+    graph.inputs.remove(mask)
+    model.opset_imports[DOMAIN] = 1
+    ensure_opset(model, 23)
+    model.metadata_props[METADATA_KEY] = json.dumps({"type": "paged", "page_size": page_size, "lower": "none"})
+    return {"paged_layers": len(found)}
+

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.models.corpus import tokenize  # noqa: F401  (measure's callers use perplexity.tokenize)
 
 LogitsFn = Callable[[np.ndarray], np.ndarray]  # ids int64 [1, W] -> logits [1, W, V]
 
@@ -94,13 +95,6 @@ def perplexity(logits_fn: LogitsFn, token_ids, window: int = 1024, stride: int |
     nll = total / count
     return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "windows": len(plan),
             "window": window, "stride": stride}
-
-
-def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:
-    """The text's token ids (int64, 1-D) without BOS/EOS, cut to the first `max_tokens`."""
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    ids = np.asarray(ids, dtype=np.int64)
-    return ids[:max_tokens] if max_tokens else ids
 
 
 def ort_logits_fn(engine) -> LogitsFn:

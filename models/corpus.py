@@ -25,6 +25,8 @@ import warnings
 import zlib
 from pathlib import Path
 
+import numpy as np
+
 from enginesmith.core.errors import UserError
 
 PACKAGE = "janeaustenr"
@@ -117,3 +119,10 @@ def load_text(path: str | os.PathLike | None = None, novel: str = DEFAULT_NOVEL)
     if not text.strip():
         raise UserError(f"text file {str(path)!r} is empty", "pass a file with some text in it")
     return text
+
+
+def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:
+    """The text's token ids (int64, 1-D) without BOS/EOS, cut to the first `max_tokens`."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids[:max_tokens] if max_tokens else ids

@@ -75,7 +75,7 @@ def calibration_set(tokenizer, text_path: str | os.PathLike | None = None, novel
                     samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN) -> CalibrationSet:
     """Tokenize a text file (or the Austen novel `novel`) into a CalibrationSet."""
     from enginesmith.models.corpus import load_text
-    from enginesmith.measure.perplexity import tokenize
+    from enginesmith.models.corpus import tokenize
 
     text = load_text(text_path, novel=novel)
     if text_path is None:

@@ -1,0 +1,144 @@
+"""The layers of the house, checked from the code's own imports (design.md, "Layers").
+
+    core  <-  models, export, plugins  <-  passes  <-  build
+    core  <-  models, export, plugins  <-  runtime          (never passes, never build)
+    runtime, build  <-  measure, serving  <-  cli
+
+Every `import enginesmith...` / `from enginesmith... import` of every package module is read with
+`ast` (inside functions too). The test fails on an arrow that runs against the table, on an import
+cycle between modules, and on an import of an enginesmith module inside a function unless the line
+(or the one above) says why it is deferred (`# deferred: ...`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# package folder in the repository -> layer name
+FOLDERS = {"enginesmith/core": "core", "enginesmith/build": "build", "enginesmith/cli": "cli",
+           "models": "models", "export": "export", "plugins": "plugins", "passes": "passes",
+           "runtime": "runtime", "measure": "measure", "serving": "serving"}
+ALLOWED = {
+    "core": {"core"},
+    "models": {"core"},
+    "export": {"core", "models"},
+    "plugins": {"core"},
+    "passes": {"core", "models", "export", "plugins"},
+    "build": {"core", "models", "export", "plugins", "passes"},
+    "runtime": {"core", "models", "export", "plugins"},
+    "measure": {"core", "models", "export", "plugins", "runtime", "build"},
+    "serving": {"core", "models", "export", "plugins", "runtime", "build"},
+    "cli": {"core", "models", "export", "plugins", "passes", "build", "runtime", "measure", "serving"},
+}
+PACKAGE_OF = {"enginesmith.core": "core", "enginesmith.build": "build", "enginesmith.cli": "cli",
+              "enginesmith.models": "models", "enginesmith.export": "export", "enginesmith.plugins": "plugins",
+              "enginesmith.passes": "passes", "enginesmith.runtime": "runtime", "enginesmith.measure": "measure",
+              "enginesmith.serving": "serving"}
+
+
+def module_name(path: Path) -> tuple[str, str]:
+    """(dotted module name, layer) of a package file."""
+    rel = path.relative_to(REPO).with_suffix("")
+    for folder, layer in FOLDERS.items():
+        if rel.as_posix().startswith(folder + "/") or rel.as_posix() == folder:
+            pkg = next(p for p, l in PACKAGE_OF.items() if l == layer)
+            rest = [x for x in rel.relative_to(folder).parts if x != "__init__"]
+            return ".".join([pkg] + rest), layer
+    if rel.as_posix() == "enginesmith/__init__":
+        return "enginesmith", "core"
+    raise KeyError(path)
+
+
+def layer_of(module: str) -> str:
+    for pkg, layer in sorted(PACKAGE_OF.items(), key=lambda kv: -len(kv[0])):
+        if module == pkg or module.startswith(pkg + "."):
+            return layer
+    return "core"  # `enginesmith` itself: the version
+
+
+def package_files() -> list[Path]:
+    files = [REPO / "enginesmith" / "__init__.py"]
+    for folder in FOLDERS:
+        files += sorted((REPO / folder).rglob("*.py"))
+    return files
+
+
+def imports(path: Path):
+    """(target module, line, inside a function, justified deferral) for each enginesmith import."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside.update(id(n) for n in ast.walk(node) if n is not node)
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("enginesmith") \
+                and node.level == 0:
+            targets = [node.module if node.module != "enginesmith" else f"enginesmith.{a.name}" for a in node.names]
+            if node.module != "enginesmith":
+                targets = [node.module]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names if a.name.startswith("enginesmith")]
+        here = "\n".join(lines[max(0, node.lineno - 2): getattr(node, "end_lineno", node.lineno)]) if targets else ""
+        for target in targets:
+            yield target, node.lineno, id(node) in inside, "# deferred" in here
+
+
+def test_arrows_follow_the_layers():
+    against = []
+    for path in package_files():
+        module, layer = module_name(path)
+        for target, line, _, _ in imports(path):
+            wanted = layer_of(target)
+            if wanted != layer and wanted not in ALLOWED[layer] and target != "enginesmith":
+                against.append(f"{path.relative_to(REPO)}:{line} ({layer}) imports {target} ({wanted})")
+    assert not against, "arrows against the layers:\n" + "\n".join(against)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {}
+    known = {module_name(p)[0] for p in package_files()}
+    for path in package_files():
+        module, _ = module_name(path)
+        for target, _, in_function, _ in imports(path):
+            if in_function:
+                continue  # a deferred import runs after both modules exist
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target != module and target in known:
+                graph.setdefault(module, set()).add(target)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    # a package __init__ that re-exports its own modules is not a cycle of design
+    real = [c for c in cycles if not all(part.startswith(c.split(" -> ")[0]) for part in c.split(" -> "))]
+    assert not real, "import cycles:\n" + "\n".join(real)
+
+
+def test_imports_sit_at_module_top_unless_deferred_on_purpose():
+    hidden = []
+    for path in package_files():
+        for target, line, in_function, justified in imports(path):
+            if in_function and not justified:
+                hidden.append(f"{path.relative_to(REPO)}:{line} imports {target} inside a function")
+    assert not hidden, f"{len(hidden)} in-function imports without a `# deferred: why` comment:\n" + "\n".join(hidden)

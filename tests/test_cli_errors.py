@@ -110,7 +110,9 @@ def test_existing_output_needs_force(engine_copy):
 def test_ctrl_c_during_build_leaves_nothing(tmp_path):
     out = tmp_path / "engine"
     proc = subprocess.Popen([sys.executable, "-m", "enginesmith.cli", "build", "--model", "tiny:gpt2",
-                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a test run started in the background inherits SIGINT ignored: undo that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not list(tmp_path.glob(".engine.tmp-*")) and time.time() < deadline:  # wait until mid-build
         assert proc.poll() is None, proc.communicate()

@@ -6,6 +6,8 @@
              past_key_values.{i}.key/value  [B, Hkv, P, D]
     outputs  logits           [B, S, V]     float
              present.{i}.key/value          [B, Hkv, P+S, D]
+
+The names, in order, are core/io_names.py's input_names / output_names.
 """
 
 from __future__ import annotations
@@ -35,20 +37,6 @@ class KVShape:
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         max_pos = getattr(config, "max_position_embeddings", None) or config.n_positions
         return cls(layers, kv_heads, head_dim, heads, config.vocab_size, max_pos)
-
-
-def input_names(layers: int) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
-    for i in range(layers):
-        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-    return names
-
-
-def output_names(layers: int) -> list[str]:
-    names = ["logits"]
-    for i in range(layers):
-        names += [f"present.{i}.key", f"present.{i}.value"]
-    return names
 
 
 class KVCacheIO(torch.nn.Module):

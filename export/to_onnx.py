@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import warnings
 from pathlib import Path
 
 import torch
 
 from enginesmith.core.errors import UserError
-from enginesmith.export.kv_io import KVCacheIO, KVShape, input_names, output_names
+from enginesmith.core.io_names import input_names, output_names
+from enginesmith.export.kv_io import KVCacheIO, KVShape
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_OPSET = 24  # Attention attributes of opset 25+ are rejected by ORT 1.31

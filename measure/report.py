@@ -6,13 +6,14 @@ functions run the measurement and format it. Results are plain JSON-able dicts.
 
 from __future__ import annotations
 
-from enginesmith.measure import speed
+from enginesmith.core.errors import UserError
+from enginesmith.measure import perplexity, speed
+from enginesmith.models import corpus
+from enginesmith.models import load as models
 
 
 def source_model(manifest):
     """The fp32 PyTorch model an engine was built from (for --compare hf)."""
-    from enginesmith.models import load as models
-
     return models.load(manifest.source.path).model
 
 
@@ -25,7 +26,7 @@ def hf_model(loaded):
     import torch
 
     model = source_model(loaded.manifest)
-    if getattr(loaded.engine, "device", "cpu") == "cuda":
+    if loaded.engine.device == "cuda":
         precision = (loaded.manifest.precision or "fp32")
         dtype = torch.bfloat16 if precision.startswith("bf16") else \
             torch.float16 if precision.startswith("fp16") else torch.float32
@@ -38,12 +39,10 @@ def bench(loaded, prompt_tokens: int, new_tokens: int, batch: int, repeats: int,
     """Our engine, then (compare) HF transformers eager ("hf") and HF's static cache +
     torch.compile ("hf-compile", CUDA), all on one prompt; plus the bandwidth bound of our engine's
     device (weights + KV at the mean context per step over the measured copy bandwidth)."""
-    from enginesmith.core.errors import UserError
-
     unknown = [c for c in compare if c not in COMPARE]
     if unknown:
         raise UserError(f"unknown --compare {', '.join(unknown)}", f"use one or more of: {', '.join(COMPARE)}")
-    device = getattr(loaded.engine, "device", "cpu")
+    device = loaded.engine.device
     if "hf-compile" in compare and device != "cuda":
         raise UserError("--compare hf-compile (static cache + torch.compile) runs on CUDA only",
                         "run on a GPU machine with --device cuda, or use --compare hf")
@@ -80,7 +79,7 @@ def engine_bound(loaded, tok_s: float, batch: int, context: int) -> dict:
     """speed.bandwidth_bound for this engine: its graph's weight bytes, its KV shape and dtype at
     `context` positions, the copy bandwidth of the device it runs on."""
     m = loaded.manifest.model
-    device = getattr(loaded.engine, "device", "cpu")
+    device = loaded.engine.device
     bandwidth = speed.measure_copy_bandwidth()
     gbs = bandwidth.get("cuda_gbs") if device == "cuda" else bandwidth["cpu_gbs"]
     kv_bytes = 2 if (loaded.manifest.precision or "fp32").startswith(("fp16", "bf16")) else 4
@@ -115,10 +114,6 @@ def format_bench(r: dict) -> str:
 
 def eval_ppl(loaded, text_path: str | None, novel: str, tokens: int, window: int,
              compare_hf: bool = False) -> dict:
-    from enginesmith.core.errors import UserError
-    from enginesmith.measure import perplexity
-    from enginesmith.models import corpus
-
     if tokens < window:
         raise UserError(f"--tokens {tokens} is smaller than --window {window}", "use --tokens >= --window")
     if window > loaded.max_positions:

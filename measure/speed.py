@@ -31,6 +31,14 @@ import time
 
 import numpy as np
 
+from enginesmith.core.errors import UserError
+from enginesmith.measure.perplexity import tokenize
+from enginesmith.models.corpus import austen_text
+from enginesmith.runtime import speculative as sp
+from enginesmith.runtime.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.ort_cuda import DecodeTimes, GqaEngine, fast_generate_ids
+from enginesmith.runtime.protocols import Engine
+
 
 def rss_mib() -> dict:
     """{"peak_rss_mib": ru_maxrss, "rss_mib": current VmRSS (None where /proc is absent)}."""
@@ -62,9 +70,6 @@ def make_prompt(prompt_tokens: int, batch: int, vocab: int, tokenizer=None, seed
     need = prompt_tokens * batch
     if tokenizer is not None:
         try:
-            from enginesmith.models.corpus import austen_text
-            from enginesmith.measure.perplexity import tokenize
-
             ids = tokenize(tokenizer, austen_text()[: need * 8 + 1000], need)
             if len(ids) == need and ids.max() < vocab:
                 return ids.reshape(batch, prompt_tokens)
@@ -111,23 +116,13 @@ def _run(step, prompt: np.ndarray, new_tokens: int, warmup: int, repeats: int) -
 
 
 def _check(prompt_tokens: int, new_tokens: int, batch: int, warmup: int, repeats: int) -> None:
-    from enginesmith.core.errors import UserError
-
     for name, value, low in (("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 0),
                              ("batch", batch, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
         if not isinstance(value, int) or value < low:
             raise UserError(f"invalid {name}={value!r}", f"use an integer >= {low}")
 
 
-def _has_device_loop(engine) -> bool:
-    try:
-        from enginesmith.runtime.ort_cuda import GqaEngine
-    except ImportError:
-        return False
-    return isinstance(engine, GqaEngine)
-
-
-def bench_engine(engine, tokenizer=None, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
+def bench_engine(engine: Engine, tokenizer=None, prompt_tokens: int = 128, new_tokens: int = 64, batch: int = 1,
                  warmup: int = 1, repeats: int = 1, prompt: np.ndarray | None = None) -> dict:
     """Benchmark an Engine (new_cache/forward, e.g. OrtEngine); returns the module doc's figures
     plus backend, device, threads and memory."""
@@ -140,30 +135,25 @@ def bench_engine(engine, tokenizer=None, prompt_tokens: int = 128, new_tokens: i
         cache = engine.new_cache(ids.shape[0]) if cache is None else cache
         return engine.forward(ids, mask, pos, cache), cache
 
-    if _has_device_loop(engine):
+    if engine.device_decode:
         result = bench_device_engine(engine, prompt, new_tokens, warmup, repeats)
     else:
         result = {"backend": type(engine).__name__, **_run(step, prompt, new_tokens, warmup, repeats)}
-    device = getattr(engine, "device", "cpu")
-    session = getattr(engine, "session", None)
+    device = engine.device
+    session = getattr(engine, "session", None)  # ONNX Runtime engines: report their thread count
     threads = session.get_session_options().intra_op_num_threads if session is not None else None
     result.update(device=device, device_name=device_name(device), threads=threads or None, **rss_mib())
     return result
 
 
-def bench_device_engine(engine, prompt: np.ndarray, new_tokens: int, warmup: int = 1, repeats: int = 1) -> dict:
+def bench_device_engine(engine: GqaEngine, prompt: np.ndarray, new_tokens: int, warmup: int = 1, repeats: int = 1) -> dict:
     """An engine with a device decode loop (runtime.ort_cuda.GqaEngine): greedy through
     `fast_generate_ids` (fixed IOBinding, CUDA graphs, argmax on the device, one host sync per
     token), as `enginesmith run` decodes with it. Prefill = prompt to first token; decode tok/s =
     B * (N - 1) / time from token 1 to token N (the first token comes from the prefill)."""
-    from enginesmith.runtime.generate import GenerationConfig
-    from enginesmith.runtime.ort_cuda import DecodeTimes, fast_generate_ids
-
     batch, plen = prompt.shape
     _check(plen, new_tokens, batch, warmup, repeats)
     if new_tokens < 2:
-        from enginesmith.core.errors import UserError
-
         raise UserError("the device decode benchmark needs --new-tokens >= 2", "use more new tokens")
     config = GenerationConfig(max_new_tokens=new_tokens)
     prompts = prompt.tolist()
@@ -182,7 +172,7 @@ def bench_device_engine(engine, prompt: np.ndarray, new_tokens: int, warmup: int
             "prefill_tok_s": batch * plen / statistics.median(prefill), "decode_s": d,
             "decode_ms_per_token": 1e3 * d / steps, "decode_tok_s": batch * steps / d,
             "decode_tok_s_min": batch * steps / max(decode), "decode_tok_s_max": batch * steps / min(decode),
-            "cuda_graph": getattr(engine, "cuda_graph", False)}
+            "cuda_graph": engine.cuda_graph}
 
 
 class _TokenClock:
@@ -204,9 +194,7 @@ def bench_hf_generate(model, prompt: np.ndarray, new_tokens: int, repeats: int =
     token 1 to token N. static=True uses its static cache, which generate() compiles with
     torch.compile (CUDA graphs) on CUDA: the first 3 runs (compilation, graph recording) are
     untimed. Same prompt and token accounting as bench_device_engine."""
-    import torch
-
-    from enginesmith.core.errors import UserError
+    import torch  # deferred: torch is needed only to compare with HF
 
     device = next(model.parameters()).device
     if device.type != "cuda":
@@ -248,9 +236,9 @@ def bench_hf(model, tokenizer=None, prompt_tokens: int = 128, new_tokens: int = 
              prompt: np.ndarray | None = None) -> dict:
     """Benchmark a transformers causal LM in eager PyTorch with its KV cache, same method as
     bench_engine (cache handling through enginesmith.export.adapter)."""
-    import torch
+    import torch  # deferred: torch and transformers are needed only to compare with HF
 
-    from enginesmith.export import adapter
+    from enginesmith.export import adapter  # deferred: imports torch and transformers
 
     if prompt is None:
         _check(prompt_tokens, new_tokens, batch, warmup, repeats)
@@ -401,9 +389,6 @@ def bench_speculative(engine, drafter, prompt: np.ndarray, new_tokens: int, k: i
     """Greedy decoding of one prompt ([P] ids) plainly and with speculative decoding on the same
     engine: tok/s of each (median over `repeats` after one warm-up), speedup, whether the outputs
     are identical, acceptance rate and tokens per target call."""
-    from enginesmith.runtime import speculative as sp
-    from enginesmith.runtime.generate import GenerationConfig, generate_ids
-
     config = GenerationConfig(max_new_tokens=new_tokens, stop_token_ids=tuple(stop_token_ids))
     spec = sp.SpeculativeConfig(k=k)
     prompt = [int(t) for t in prompt]

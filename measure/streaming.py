@@ -28,6 +28,7 @@ import numpy as np
 from enginesmith.core.errors import UserError
 from enginesmith.measure.perplexity import _token_nll, spans
 from enginesmith.measure.speed import rss_mib
+from enginesmith.runtime.protocols import Engine, KVCache
 
 POLICIES = ("dense", "window", "ring", "recompute")
 
@@ -43,10 +44,8 @@ class StreamRun:
     rss_mib: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _cache_mib(cache, itemsize: int) -> float:
-    if hasattr(cache, "nbytes"):  # the ring: fixed buffers
-        return cache.nbytes() / 2**20
-    return sum(int(np.prod(v.shape())) for v in cache.values) * itemsize / 2**20
+def _cache_mib(cache: KVCache) -> float:
+    return cache.nbytes() / 2**20
 
 
 def _bar(total: int, desc: str, progress: bool):
@@ -61,7 +60,7 @@ def _nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return np.array([_token_nll(logits[i:i + 1], targets[i:i + 1]) for i in range(len(targets))])
 
 
-def run_cached(policy: str, engine, ids: np.ndarray, sample_every: int = 256, chunk: int = 512,
+def run_cached(policy: str, engine: Engine, ids: np.ndarray, sample_every: int = 256, chunk: int = 512,
                progress: bool = True) -> StreamRun:
     """dense, window or ring over `engine` (a dense graph for dense, a ring graph otherwise).
 
@@ -70,12 +69,11 @@ def run_cached(policy: str, engine, ids: np.ndarray, sample_every: int = 256, ch
     cache = engine.new_cache(1)
     n = len(ids)
     nll = np.zeros(n - 1)
-    ring = hasattr(cache, "capacity")
+    ring = cache.evicts  # the ring (and the window: a ring of no sinks)
     if ring != (policy != "dense"):
         raise UserError(f"policy {policy} needs a {'ring' if policy != 'dense' else 'dense'} engine",
                         "open the engine built for it")
     prefill = min(cache.capacity, n) if ring else n
-    itemsize = np.dtype(engine.kv_dtype).itemsize
     step = min(chunk, cache.max_chunk) if ring else chunk
     memory: list[tuple[int, float]] = []
     rss: list[tuple[int, float]] = []
@@ -94,7 +92,7 @@ def run_cached(policy: str, engine, ids: np.ndarray, sample_every: int = 256, ch
         targets = ids[pos + 1:pos + size + 1]
         nll[pos:pos + len(targets)] = _nll_rows(logits[:len(targets)], targets)
         if (pos // sample_every) != ((pos + size) // sample_every) or pos == 0:
-            memory.append((pos + size, round(_cache_mib(cache, itemsize), 2)))
+            memory.append((pos + size, round(_cache_mib(cache), 2)))
             rss.append((pos + size, rss_mib()["rss_mib"]))
         pos += size
         bar.update(size)

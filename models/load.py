@@ -133,7 +133,7 @@ def resolve(spec: str | None) -> Source:
         path = default_gguf()
         return Source("gguf", str(path), _sha256_file(path).hexdigest())
     if spec.startswith(("tiny:", "random:")):
-        from enginesmith.models import tiny
+        from enginesmith.models import tiny  # deferred: imports torch and transformers (seconds)
 
         config = tiny.config_for(spec)  # raises on unknown names
         # the tokenizer is part of what a random model is: engines built with another one differ
@@ -270,7 +270,7 @@ def load_tokenizer(source: Source):
     from transformers import AutoTokenizer
 
     if source.kind == "random":
-        from enginesmith.models import tiny
+        from enginesmith.models import tiny  # deferred: imports torch and transformers (seconds)
 
         return random_tokenizer.build(tiny.config_for(source.path).vocab_size)
     if source.kind == "gguf":
@@ -291,7 +291,7 @@ def load(spec: str | Source | None) -> LoadedModel:
     source = spec if isinstance(spec, Source) else resolve(spec)
     tokenizer = load_tokenizer(source)  # first: a checkpoint without one fails before its weights load
     if source.kind == "random":
-        from enginesmith.models import tiny
+        from enginesmith.models import tiny  # deferred: imports torch and transformers (seconds)
 
         model = tiny.build(source.path)
     elif source.kind == "gguf":

@@ -13,6 +13,7 @@ plugins/build of a checkout, else the cache entry for this machine's GPU, compil
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import struct
 import subprocess
@@ -63,6 +64,21 @@ def library_path() -> Path | None:
     return where.path if where else None
 
 
+def cusparselt_library() -> Path | None:
+    """libcusparseLt.so.0 of the pip package nvidia-cusparselt-cu13 (nvidia/cusparselt/ up to 0.9,
+    nvidia/cu13/ from 0.10), or None."""
+    for name in ("nvidia.cusparselt", "nvidia.cu13"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for base in (spec.submodule_search_locations or []) if spec else []:
+            so = Path(base) / "lib" / "libcusparseLt.so.0"
+            if so.exists():
+                return so
+    return None
+
+
 @lru_cache(maxsize=None)
 def lib() -> ctypes.CDLL:
     """The library, loaded once; compiled into the cache first if it is not built (plugins/compile.py)."""
@@ -71,16 +87,9 @@ def lib() -> ctypes.CDLL:
         import torch  # noqa: F401
     except ImportError:
         pass
-    try:  # torch ships cuSPARSELt; load it first so the library's NEEDED entry resolves to the same copy
-        import nvidia.cusparselt  # noqa: F401
-
-        for base in nvidia.cusparselt.__path__:
-            so = Path(base) / "lib" / "libcusparseLt.so.0"
-            if so.exists():
-                ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
-                break
-    except ImportError:
-        pass
+    so = cusparselt_library()  # load it first so the library's NEEDED entry resolves to this copy
+    if so is not None:
+        ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
     L = ctypes.CDLL(str(path))
     P, I, I64, SZ, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float
     sig = {

@@ -1,5 +1,5 @@
 """ONNX Runtime custom ops of enginesmith (libenginesmith_ort_ops.so, built with the plugins by
-plugins/CMakeLists.txt): the decode GEMVs of passes/ort_gemv.py, with CUDA and CPU kernels.
+plugins/CMakeLists.txt): the decode GEMVs of passes/lower/ort_gemv.py, with CUDA and CPU kernels.
 
 The library is found as plugins/compile.py says: $ENGINESMITH_ORT_OPS_LIB, else
 $ENGINESMITH_PLUGINS_BUILD/libenginesmith_ort_ops.so, else plugins/build/ of a source checkout, else
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from enginesmith.core.io_names import ORT_OPS_DOMAIN as DOMAIN
 from enginesmith.plugins import compile as plugin_compile
 
-DOMAIN = "com.enginesmith"
 LIBRARY = plugin_compile.LIBRARIES["ort_ops"]
 
 

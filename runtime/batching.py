@@ -82,7 +82,7 @@ class ContinuousBatcher:
                  enable_prefix_caching: bool = True):
         self.engine = engine
         self.config = config or SchedulerConfig()
-        self.pool = PagedKVPool.for_session(engine.session, num_pages, getattr(engine, "device", "cpu"))
+        self.pool = PagedKVPool.for_session(engine.session, num_pages, engine.device)
         self.manager = KVCacheManager(num_pages, self.pool.page_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -8,21 +8,13 @@ at its first real token, so a padded row computes exactly what it would compute 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.runtime.protocols import Engine, KVCache
 from enginesmith.runtime.sampling import SamplingParams, sample
-
-
-class Engine(Protocol):
-    vocab: int
-
-    def new_cache(self, batch: int): ...
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                cache) -> np.ndarray: ...
-
 
 MAX_NEW_TOKENS = 1 << 20  # a bound on one request's work; a ring-cache stream can still run this long
 
@@ -43,6 +35,22 @@ class GenerationConfig:
                             f"use an integer in [1, {MAX_NEW_TOKENS}]")
 
 
+def check_budget(prompt_lens: Sequence[int], max_new_tokens: int, context_limit: int | None,
+                 past: int = 0) -> int:
+    """The new tokens a batch may generate: max_new_tokens, cut so that `past` cached tokens +
+    the longest prompt + its output fit `context_limit` (None: no limit, e.g. a ring cache).
+    One UserError, for every decode loop, on an empty prompt or one that leaves no room."""
+    if not prompt_lens or any(n == 0 for n in prompt_lens):
+        raise UserError("empty prompt", "give at least one token of prompt")
+    if context_limit is None:
+        return max_new_tokens
+    longest = max(prompt_lens)
+    if past + longest >= context_limit:
+        raise UserError(f"prompt of {longest} tokens does not fit the model's context of "
+                        f"{context_limit} tokens", "shorten the prompt")
+    return min(max_new_tokens, context_limit - past - longest)
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """ids [B, S] and mask [B, S], each prompt right-aligned."""
     width = max(len(p) for p in prompts)
@@ -61,7 +69,7 @@ def positions(mask: np.ndarray, new: int) -> np.ndarray:
 
 
 def generate_ids(engine: Engine, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                 pad_id: int = 0, cache=None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 pad_id: int = 0, cache: KVCache | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (next ids [B], finished-before-this-step [B] bool) per decode step.
 
     Rows finished by a stop token keep running (fed their stop token) until all rows are done;
@@ -69,16 +77,8 @@ def generate_ids(engine: Engine, prompts: Sequence[Sequence[int]], config: Gener
     a session's tokens (its `length` of them count as context; one row, or rows kept in step);
     the last yielded token is not fed to it.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("empty prompt", "give at least one token of prompt")
-    longest = max(len(p) for p in prompts)
     past = cache.length if cache is not None else 0
-    budget = config.max_new_tokens
-    if config.max_positions is not None:
-        if past + longest >= config.max_positions:
-            raise UserError(f"prompt of {longest} tokens does not fit the model's context of "
-                            f"{config.max_positions} tokens", "shorten the prompt")
-        budget = min(budget, config.max_positions - past - longest)
+    budget = check_budget([len(p) for p in prompts], config.max_new_tokens, config.max_positions, past)
     rng = np.random.default_rng(config.sampling.seed)
     stop = np.array(sorted(set(config.stop_token_ids)), dtype=np.int64)
     ids, mask = left_pad(prompts, pad_id)

@@ -12,7 +12,16 @@ import numpy as np
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 
 
+_ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(bfloat16)": 2}
+
+
 class DenseKVCache:
+    """The protocols.KVCache of a concatenating graph: rollback by copy, nothing evicted."""
+
+    rollback = True
+    evicts = False
+    max_chunk = None  # any number of tokens per call
+
     def __init__(self, past_names: list[str], present_names: list[str], values: list[ort.OrtValue]):
         assert len(past_names) == len(present_names) == len(values)
         self.past_names = past_names
@@ -34,6 +43,14 @@ class DenseKVCache:
     @property
     def length(self) -> int:
         return self.values[0].shape()[2]
+
+    def nbytes(self) -> int:
+        """Bytes of every layer's key and value now (grows with the positions)."""
+        return sum(int(np.prod(v.shape())) * _ITEMSIZE[v.data_type()] for v in self.values)
+
+    def feeds(self, attention_mask: np.ndarray, position_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The step's mask and positions, as given (the graph reads them directly)."""
+        return {"attention_mask": attention_mask, "position_ids": position_ids}
 
     def bind(self, binding: ort.IOBinding, device: str, device_id: int = 0) -> None:
         """Bind the cache as past inputs and ask for presents on the same device."""

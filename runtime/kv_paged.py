@@ -25,66 +25,17 @@ it), so reads past a row's tokens stay in bounds. Pools start zeroed (garbage co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 
+from enginesmith.core.kv_layout import PagedStep, check_step, paged_step  # noqa: F401  (re-exported)
+from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.runtime.block_manager import KVCacheManager
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-METADATA = ("block_tables", "context_lens", "slot_mapping")
-
-
-@dataclass(frozen=True)
-class PagedStep:
-    block_tables: np.ndarray   # [B, MB] int32
-    context_lens: np.ndarray   # [B] int32
-    slot_mapping: np.ndarray   # [B, S] int32
-    position_ids: np.ndarray   # [B, S] int64
-
-
-def check_step(step: PagedStep, num_pages: int, page_size: int) -> None:
-    """Refuse a step the kernels would answer wrongly: a page outside the pool, a context outside
-    the block table, a slot that is not where the table puts that position."""
-    tables, ctx, slots = step.block_tables, step.context_lens, step.slot_mapping
-    batch, width = slots.shape
-    if tables.ndim != 2 or tables.shape[0] != batch or ctx.shape != (batch,) or step.position_ids.shape != slots.shape:
-        raise UserError(f"paged step shapes disagree: block_tables {tables.shape}, context_lens {ctx.shape}, "
-                        f"slot_mapping {slots.shape}, position_ids {step.position_ids.shape}",
-                        "give block_tables [B, MB], context_lens [B], slot_mapping and position_ids [B, S]")
-    bad = np.argwhere((tables < 0) | (tables >= num_pages))
-    if len(bad):
-        row, col = bad[0]
-        raise UserError(f"block table out of range: row {row} entry {col} is page {tables[row, col]}, the pool "
-                        f"has pages 0..{num_pages - 1}", "pad block tables with 0 (the null page) and "
-                        "allocate pages through the block manager")
-    capacity = tables.shape[1] * page_size
-    bad = np.flatnonzero((ctx < 1) | (ctx > capacity))
-    if len(bad):
-        row = bad[0]
-        raise UserError(f"context length {ctx[row]} of row {row} is outside [1, {capacity}] (block table of "
-                        f"{tables.shape[1]} pages of {page_size})", "widen the block table to cover the context")
-    bad = np.argwhere((slots < -1) | (slots >= num_pages * page_size))
-    if len(bad):
-        row, col = bad[0]
-        raise UserError(f"slot mapping out of range: row {row} column {col} is slot {slots[row, col]}, the pool "
-                        f"has slots 0..{num_pages * page_size - 1}", "use page * page_size + offset, or -1 for padding")
-    pos = ctx[:, None].astype(np.int64) - width + np.arange(width)[None, :]              # [B, S]
-    real = slots >= 0
-    if np.any(real & (pos < 0)):
-        row, col = np.argwhere(real & (pos < 0))[0]
-        raise UserError(f"row {row} column {col} writes a token at position {pos[row, col]} < 0",
-                        "context_lens must count the row's real new tokens")
-    page = np.take_along_axis(tables, np.clip(pos // page_size, 0, tables.shape[1] - 1), axis=1)
-    expected = page * page_size + pos % page_size
-    bad = np.argwhere(real & (slots != expected))
-    if len(bad):
-        row, col = bad[0]
-        raise UserError(f"row {row} column {col} writes slot {slots[row, col]} but its position {pos[row, col]} "
-                        f"lives at slot {expected[row, col]} of its block table",
-                        "compute the slot mapping from the block table")
+METADATA = io_names.PAGED_INPUTS  # block_tables, context_lens, slot_mapping
 
 
 class PagedKVPool:
@@ -93,6 +44,8 @@ class PagedKVPool:
     As a cache of `OrtEngine.forward`: `feeds` gives the prepared step's positions, `bind` binds
     each pool as both its past input and its present output (the graph writes in place) plus the
     int32 step inputs, `advance` ends the step."""
+
+    max_chunk = None  # protocols.OrtCache: any number of tokens per call
 
     def __init__(self, past: list[str], present: list[str], num_pages: int, page_size: int, kv_heads: int,
                  head_dim: int, dtype, device: str = "cpu", device_id: int = 0):
@@ -119,8 +72,8 @@ class PagedKVPool:
         if not set(METADATA) <= set(inputs):
             raise UserError("this graph has no paged KV layout (block_tables, context_lens, slot_mapping)",
                             "rebuild the engine with the kv_paged pass")
-        past = [n for n in inputs if n.startswith("past_key_values.")]
-        present = [n.replace("past_key_values.", "present.") for n in past]
+        past = [n for n in inputs if io_names.is_past(n)]
+        present = [io_names.present_of(n) for n in past]
         missing = [n for n in present if n not in outputs]
         if missing:
             raise UserError(f"the paged graph lacks outputs {missing[:2]}", "rebuild the engine")
@@ -179,26 +132,16 @@ def build_step(manager: KVCacheManager, rows: list[str], starts: list[int], coun
                right_padded: bool = True) -> PagedStep:
     """The step of `rows` (request ids with slots already allocated): row r writes counts[r] tokens
     from position starts[r], in `width` columns, padded on the right (or on the left)."""
-    batch, bs = len(rows), manager.block_size
-    slots = np.full((batch, width), -1, np.int32)
-    positions = np.zeros((batch, width), np.int64)
-    ctx = np.zeros(batch, np.int32)
-    for r, (rid, start, n) in enumerate(zip(rows, starts, counts)):
-        cols = slice(0, n) if right_padded else slice(width - n, width)
-        slots[r, cols] = manager.slots(rid, start, n)
-        positions[r, cols] = np.arange(start, start + n)
-        ctx[r] = start + (width if right_padded else n)
-    pages = max(1, int(-(-ctx.max() // bs)))
-    tables = np.zeros((batch, pages), np.int32)  # 0: the null page
-    for r, rid in enumerate(rows):
-        ids = manager.block_ids(rid)[:pages]
-        tables[r, :len(ids)] = ids
-    return PagedStep(tables, ctx, slots, positions)
+    return paged_step([manager.block_ids(r) for r in rows], manager.block_size, starts, counts, width, right_padded)
 
 
 class PagedKVCache:
     """A paged cache behind the dense-cache interface of `OrtEngine.forward` / `generate_ids`:
     each row of a left-padded batch is one request of a KVCacheManager over a PagedKVPool."""
+
+    rollback = True   # pages past the kept positions go back to the pool
+    evicts = False
+    max_chunk = None
 
     def __init__(self, pool: PagedKVPool, batch: int, enable_caching: bool = False):
         self.pool = pool
@@ -211,7 +154,7 @@ class PagedKVCache:
                     max_tokens: int = 2048) -> "PagedKVCache":
         """num_pages defaults to enough for `max_tokens` per row, plus the null page."""
         inputs = {i.name: i for i in session.get_inputs()}
-        page_size = int(next(i for n, i in inputs.items() if n.startswith("past_key_values.")).shape[1])
+        page_size = int(next(i for n, i in inputs.items() if io_names.is_past(n)).shape[1])
         pages = num_pages or 1 + batch * -(-max_tokens // page_size)
         return cls(PagedKVPool.for_session(session, pages, device), batch)
 
@@ -223,6 +166,10 @@ class PagedKVCache:
     def length(self) -> int:
         """Positions of the longest row, left padding included (as the dense cache counts them)."""
         return int(max(self.manager.num_tokens(r) + p for r, p in zip(self.rows, self.pads)))
+
+    def nbytes(self) -> int:
+        """Bytes of the page pools (fixed at construction, shared by every row)."""
+        return self.pool.nbytes()
 
     def feeds(self, attention_mask: np.ndarray, position_ids: np.ndarray) -> dict[str, np.ndarray]:
         """Allocate slots for the real tokens among the last S mask columns and prepare the step."""

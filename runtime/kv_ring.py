@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from enginesmith.core import io_names
+from enginesmith.core.kv_layout import ring_feeds
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 
@@ -43,6 +45,9 @@ _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 class RingKVCache:
     """Fixed-size sink + window cache; `feeds` for the step, `bind` its buffers, `advance` after."""
+
+    rollback = False  # an evicted token cannot come back: truncate raises
+    evicts = True
 
     def __init__(self, sinks: int, window: int, names: dict[str, list[str]], batch: int, kv_heads: int,
                  head_dim: int, dtype, device: str, device_id: int = 0):
@@ -69,14 +74,14 @@ class RingKVCache:
         """A cache shaped for a ring graph, sizes read from its inputs."""
         inputs = {i.name: i for i in session.get_inputs()}
         outputs = [o.name for o in session.get_outputs()]
-        past = [n for n in inputs if n.startswith("past_key_values.")]
-        past_sinks = [n for n in inputs if n.startswith("past_sinks.")]
+        past = [n for n in inputs if io_names.is_past(n)]
+        past_sinks = [n for n in inputs if io_names.is_past_sinks(n)]
         first = inputs[past[0]]
         window = int(first.shape[2])
         sinks = int(inputs[past_sinks[0]].shape[2]) if past_sinks else 0
-        names = {"past": past, "present": [p.replace("past_key_values.", "present.") for p in past],
+        names = {"past": past, "present": [io_names.present_of(p) for p in past],
                  "past_sinks": past_sinks,
-                 "present_sinks": [p.replace("past_sinks.", "present_sinks.") for p in past_sinks]}
+                 "present_sinks": [io_names.present_of(p) for p in past_sinks]}
         missing = [n for n in names["present"] + names["present_sinks"] if n not in outputs]
         if missing:
             raise UserError(f"the ring graph lacks outputs {missing[:2]}", "rebuild the engine")
@@ -129,32 +134,7 @@ class RingKVCache:
         if np.any((pads > 0) & (self.count > 0)):
             raise UserError("padding fed to a row that already holds tokens",
                             "pad only a row's first chunk (left padding)")
-        s, w, c = self.sinks, self.window, self.capacity
-        start = self.count - pads                       # token number of column 0 (< 0 for pads)
-        total = self.count + new                        # tokens after this step
-        in_window = np.maximum(total - s, 0)            # window tokens ever written
-        oldest = np.maximum(in_window - w, 0)           # window number of the oldest one kept
-
-        slots = np.arange(w)[None, :]                                           # [1, w]
-        last = in_window[:, None] - 1 - slots                                   # [B, w]
-        u = slots + w * np.floor_divide(np.maximum(last, 0), w)                 # newest token in slot
-        win_occupied = last >= 0
-        win_pos = np.where(win_occupied, s + u - oldest[:, None], 0)
-        sink_occupied = np.arange(s)[None, :] < np.minimum(total, s)[:, None]   # [B, s]
-        occupied = np.concatenate([sink_occupied, win_occupied], axis=1).astype(np.int64)
-        cache_pos = np.concatenate([np.where(sink_occupied, np.arange(s)[None, :], 0), win_pos], axis=1)
-
-        t = start[:, None] + np.arange(cols)[None, :]                           # [B, S] token numbers
-        query_pos = np.where(t < s, t, s + (t - s) - oldest[:, None])
-        query_pos = np.where(real, query_pos, 0)
-        feeds = {"attention_mask": occupied, "position_ids": query_pos.astype(np.int64),
-                 "cache_positions": cache_pos.astype(np.int64),
-                 "write_indices": np.mod(start - s, w).astype(np.int64)}
-        if s:
-            j = np.arange(s)[None, :]
-            fills = (j >= self.count[:, None]) & (j < total[:, None])
-            feeds["sink_sources"] = np.where(fills, j - start[:, None], -1).astype(np.int64)
-        assert occupied.shape == (batch, c) and np.all(cache_pos < c)
+        feeds, total = ring_feeds(self.count, self.sinks, self.window, real)
         self._pending = total
         return feeds
 

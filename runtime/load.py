@@ -1,42 +1,27 @@
-"""Open an engine directory: verify build.json, then the backend session and the tokenizer."""
+"""Open an engine directory: verify build.json, then the backend session and the tokenizer.
+
+`open_engine` is the one front door (the CLI, the Triton model, measure and tests call it):
+
+    build.json backend "tensorrt"                  -> trt_engine.open_trt_engine  (TrtEngine)
+    kv_layout.io "gqa-shared-buffer" (--for-cuda)  -> ort_cuda.open_gqa_engine    (GqaEngine)
+    any other onnxruntime engine                   -> OrtEngine (dense, ring or paged KV cache)
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import EngineError
-from enginesmith.core.manifest import KVLayout, Manifest
+from enginesmith.core.manifest import Manifest
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
+from enginesmith.core.io_names import GQA_IO
+from enginesmith.runtime.ort_cuda import kv_rows, open_gqa_engine
 from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
+from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.tokenizer import Tokenizer
-
-
-@dataclass
-class LoadedEngine:
-    path: Path
-    manifest: Manifest
-    engine: OrtEngine
-    tokenizer: object
-
-    @property
-    def max_positions(self) -> int:
-        return self.manifest.max_positions
-
-    @property
-    def pad_id(self) -> int:
-        return self.manifest.model.pad_token_id or 0
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self.manifest.kv_layout
-
-    @property
-    def context_limit(self) -> int | None:
-        """Most tokens one sequence may hold: the model's context, None for a ring cache (streams)."""
-        return None if self.kv_layout.type == "ring" else self.max_positions
+from enginesmith.runtime.trt_engine import open_trt_engine
 
 
 # Every exception type ONNX Runtime's binding raises (all plain Exception subclasses).
@@ -51,18 +36,22 @@ def check_backend(manifest: Manifest) -> None:
 
 
 def open_engine(path: str | Path, device: str = "auto", threads: int | None = None,
-                verify_hashes: bool = True, plugin_libraries: Sequence[str] = ()) -> LoadedEngine:
-    """The one front door: TensorRT plans, CUDA-lowered (GroupQueryAttention) and plain ORT engines."""
+                verify_hashes: bool = True, plugin_libraries: Sequence[str] = (),
+                max_batch: int | None = None) -> LoadedEngine:
+    """The one front door: TensorRT plans, CUDA-lowered (GroupQueryAttention) and plain ORT engines.
+
+    device/threads: the ONNX Runtime session's (a TensorRT plan runs on the GPU it was built for).
+    max_batch: the most sequences run at once; a CUDA-lowered engine allocates that many KV rows,
+    or its build's --max-batch (checked against it). plugin_libraries: TensorRT plugin libraries
+    in place of the engine directory's copies (Triton passes its paths). verify_hashes: hash every
+    file listed in build.json (sizes are always checked)."""
     path = Path(path)
     layout = engine_dir.read_manifest(path)
     if layout.backend.name == "tensorrt":
-        from enginesmith.runtime.trt_engine import open_trt_engine
-
         return open_trt_engine(path, plugin_libraries=plugin_libraries, verify_hashes=verify_hashes)
-    if layout.kv_layout.io == "gqa-shared-buffer":
-        from enginesmith.runtime.ort_cuda import open_gqa_engine
-
-        return open_gqa_engine(path, device=device)
+    if layout.kv_layout.io == GQA_IO:
+        return open_gqa_engine(path, device=device, max_batch=kv_rows(layout.kv_layout.max_batch, max_batch or 1),
+                               threads=threads, verify_hashes=verify_hashes)
     manifest = engine_dir.verify(path, check_backend, hashes=verify_hashes, onnx_graph=True)
     if manifest.precision.startswith("bf16") and resolve_device(device) == "cpu":
         raise EngineError(f"{path} is a bf16 engine; ONNX Runtime runs bf16 MatMul only on CUDA",

@@ -27,17 +27,24 @@ CUDA graphs, two ways (`cuda_graph=`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from enginesmith.core.errors import UserError
+from enginesmith.core import engine_dir, io_names
+from enginesmith.core.io_names import MAX_CUDA_BATCH
+from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
+from enginesmith.runtime.generate import check_budget
+from enginesmith.runtime.protocols import LoadedEngine
+from enginesmith.runtime.tokenizer import Tokenizer
 
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 CAPACITY_KEY = "enginesmith.kv_capacity"
@@ -67,6 +74,9 @@ def _bind(binding: ort.IOBinding, name: str, tensor, output: bool = False) -> No
 class SharedKVCache:
     """Rows 0..B-1 of the engine's KV buffer; `lengths[b]` tokens cached in row b."""
 
+    rollback = True   # rows just get shorter
+    evicts = False
+
     def __init__(self, engine: "GqaEngine", batch: int):
         self.engine = engine
         self.lengths = np.zeros(batch, dtype=np.int64)
@@ -82,6 +92,11 @@ class SharedKVCache:
     def truncate(self, length: int) -> None:
         """Drop positions >= length (speculative rollback): nothing moves, rows just get shorter."""
         np.minimum(self.lengths, length, out=self.lengths)
+
+    def nbytes(self) -> int:
+        """Bytes of this cache's rows of the engine's buffer (allocated once, at full capacity)."""
+        rows = self.engine.kv[:, :, :self.batch]
+        return int(rows.numel() * rows.element_size())
 
 
 @dataclass
@@ -104,6 +119,7 @@ class GqaEngine:
     plus the device paths used by `fast_generate_ids` and `greedy_forward`."""
 
     WARMUP_RUNS = 2  # plain runs of a step before capture (ORT's arena must hold all it needs)
+    device_decode = True  # greedy_forward and fast_generate_ids: logits stay on the device
 
     def __init__(self, onnx_path: str | Path, device: str = "auto", max_batch: int = 1,
                  capacity: int | None = None, cuda_graph: bool | str = True, threads: int | None = None,
@@ -159,8 +175,8 @@ class GqaEngine:
         if SEQLENS not in inputs or TOTAL not in inputs:
             raise UserError(f"{onnx_path} is not a GQA-lowered graph (no {SEQLENS} input)",
                             "lower it with the lower_gqa pass, or open it with OrtEngine")
-        self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
-        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        self.past_names = [n for n in inputs if io_names.is_past(n)]
+        self.present_names = [io_names.present_of(n) for n in self.past_names]
         first = inputs[self.past_names[0]]
         self.kv_heads, self.head_dim = int(first.shape[1]), int(first.shape[3])
         self.vocab = int(self.session.get_outputs()[0].shape[-1])
@@ -185,8 +201,6 @@ class GqaEngine:
 
     # ------------------------------------------------------------------ plumbing
     def _on_stream(self):
-        import contextlib
-
         return _torch().cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _binding(self, ids, seqlens, logits, rows: slice) -> ort.IOBinding:
@@ -401,16 +415,9 @@ def fast_generate_ids(engine: GqaEngine, prompts: Sequence[Sequence[int]], confi
 
     Prefill row by row, then one fixed [B, 1] step per token (a CUDA graph replay on CUDA);
     sampling stays on the device and only the ids come back. Finished rows keep running."""
-    import time
-
     torch = _torch()
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("empty prompt", "give at least one token of prompt")
-    longest = max(len(p) for p in prompts)
     limit = min(engine.capacity, config.max_positions or engine.capacity)
-    if longest >= limit:
-        raise UserError(f"prompt of {longest} tokens does not fit the context of {limit} tokens", "shorten the prompt")
-    budget = min(config.max_new_tokens, limit - longest)
+    budget = check_budget([len(p) for p in prompts], config.max_new_tokens, limit)
     params = config.sampling
     generator = None
     if not params.greedy:
@@ -497,16 +504,27 @@ def _greedy_steps(engine: GqaEngine, step: _Step, cache: SharedKVCache, budget: 
             return
 
 
-def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, capacity: int | None = None,
-                    cuda_graph: bool = True):
-    """A LoadedEngine (runtime.load) whose engine is a GqaEngine, for an engine directory built
-    with the GQA lowering (build.json kv_layout.io == "gqa-shared-buffer")."""
-    from enginesmith.core import engine_dir
-    from enginesmith.runtime.load import LoadedEngine
-    from enginesmith.runtime.tokenizer import Tokenizer
+def kv_rows(built: int | None, wanted: int = 1) -> int:
+    """KV rows to allocate for a --for-cuda engine: its build's --max-batch (build.json
+    kv_layout.max_batch) when recorded, else `wanted`, the sequences to run at once."""
+    if built is None:
+        return max(1, wanted)
+    if built > MAX_CUDA_BATCH:
+        raise EngineError(f"build.json kv_layout.max_batch {built} is more than {MAX_CUDA_BATCH}",
+                          "rebuild the engine with enginesmith build --for-cuda --max-batch N")
+    if wanted > built:
+        raise UserError(f"{wanted} sequences at once exceed the --max-batch {built} this engine was built with",
+                        f"rebuild it with --max-batch {wanted} or more, or run fewer at once")
+    return built
 
+
+def open_gqa_engine(path: str | Path, device: str = "auto", max_batch: int = 1, capacity: int | None = None,
+                    cuda_graph: bool = True, threads: int | None = None, verify_hashes: bool = True) -> LoadedEngine:
+    """The GQA branch of runtime.load.open_engine (call that): a LoadedEngine whose engine is a
+    GqaEngine of `max_batch` KV rows, for an engine directory built with the GQA lowering
+    (build.json kv_layout.io == "gqa-shared-buffer")."""
     path = Path(path)
-    manifest = engine_dir.verify(path, onnx_graph=True)
+    manifest = engine_dir.verify(path, hashes=verify_hashes, onnx_graph=True)
     engine = GqaEngine(path / manifest.graph, device=device, max_batch=max_batch,
-                       capacity=capacity or manifest.kv_layout.capacity, cuda_graph=cuda_graph)
+                       capacity=capacity or manifest.kv_layout.capacity, cuda_graph=cuda_graph, threads=threads)
     return LoadedEngine(path, manifest, engine, Tokenizer(path / "tokenizer"))

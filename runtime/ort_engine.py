@@ -11,10 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
 from enginesmith.runtime.kv_dense import DenseKVCache
+from enginesmith.runtime.kv_paged import PagedKVCache
+from enginesmith.runtime.kv_ring import RingKVCache
+from enginesmith.runtime.protocols import KVCache, OrtCache
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}
 
@@ -34,6 +38,8 @@ def resolve_device(requested: str) -> str:
 
 class OrtEngine:
     """forward(ids, mask, positions, cache) -> logits; the cache is advanced in place."""
+
+    device_decode = False  # no device loop: every step's logits come to the host
 
     def __init__(self, onnx_path: str | Path, device: str = "auto", threads: int | None = None,
                  optimization: str = "all") -> None:
@@ -57,8 +63,8 @@ class OrtEngine:
         ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py, ort_attention.py
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
-        self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
-        self.present_names = [o.name for o in self.session.get_outputs() if o.name.startswith("present.")]
+        self.past_names = [n for n in inputs if io_names.is_past(n)]
+        self.present_names = [o.name for o in self.session.get_outputs() if io_names.is_present(o.name)]
         first = inputs[self.past_names[0]]
         self.kv_heads, self.head_dim = int(first.shape[1]), int(first.shape[3])
         self.kv_dtype = _NP_DTYPES[first.type]
@@ -66,36 +72,30 @@ class OrtEngine:
         self.vocab = int(logits.shape[-1])
         self.kv_layout = "ring" if "write_indices" in inputs else "paged" if "block_tables" in inputs else "dense"
 
-    def new_cache(self, batch: int):
+    def new_cache(self, batch: int) -> KVCache:
         """DenseKVCache, or the Ring/Paged cache for a graph rewritten by kv_ring / kv_paged."""
         if self.kv_layout == "ring":
-            from enginesmith.runtime.kv_ring import RingKVCache
-
             return RingKVCache.for_session(self.session, batch, self.device)
         if self.kv_layout == "paged":
-            from enginesmith.runtime.kv_paged import PagedKVCache
-
             return PagedKVCache.for_session(self.session, batch, self.device)
         return DenseKVCache.empty(self.past_names, self.present_names, batch, self.kv_heads,
                                   self.head_dim, self.kv_dtype, self.device)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                cache: DenseKVCache) -> np.ndarray:
+                cache: OrtCache) -> np.ndarray:
         """Run one step. input_ids/position_ids [B, S], attention_mask [B, P+S]; logits [B, S, V] fp32.
 
-        A cache may take its own feeds (`cache.feeds(mask, positions)`: the ring cache turns them
-        into slot occupancy and positions in the cache) and cap the tokens per call
-        (`cache.max_chunk`): longer inputs run as consecutive chunks."""
-        limit = getattr(cache, "max_chunk", None)
+        The cache gives the step's feeds (`cache.feeds(mask, positions)`: the dense cache passes
+        them through, the ring cache turns them into slot occupancy and positions in the cache) and
+        may cap the tokens per call (`cache.max_chunk`): longer inputs run as consecutive chunks."""
+        limit = cache.max_chunk
         seq = input_ids.shape[1]
         if limit and seq > limit:
             past = attention_mask.shape[1] - seq
             return np.concatenate([
                 self.forward(input_ids[:, i:i + limit], attention_mask[:, :past + min(i + limit, seq)],
                              position_ids[:, i:i + limit], cache) for i in range(0, seq, limit)], axis=1)
-        feeds = getattr(cache, "feeds", None)
-        feeds = feeds(attention_mask, position_ids) if feeds else {
-            "attention_mask": attention_mask, "position_ids": position_ids}
+        feeds = cache.feeds(attention_mask, position_ids)
         binding = self.session.io_binding()
         for name, array in (("input_ids", input_ids), *feeds.items()):
             binding.bind_cpu_input(name, np.ascontiguousarray(array, dtype=np.int64))

@@ -14,7 +14,8 @@ Prompt lookup (n-gram) drafts are deterministic: q is a point mass on d.
 
 Drafters: `NgramDrafter` (prompt lookup: the text after the latest earlier occurrence of the
 context's last n tokens) and `ModelDrafter` (a small engine with its own KV cache). Rollback goes
-through the cache's `truncate(length)` hook, which every KV layout implements.
+through the cache's `truncate(length)`, offered by the layouts that declare `rollback`
+(protocols.KVCache: dense, paged, the CUDA engines' caches; not the ring).
 
 Dimension legend: S tokens fed to the target in one call, V vocab. Speculation runs per sequence
 (batch 1); `speculative_ids` runs the rows of a batch one after another.
@@ -23,11 +24,15 @@ Dimension legend: S tokens fed to the target in one call, V vocab. Speculation r
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.runtime.generate import check_budget
+from enginesmith.runtime.load import open_engine
+from enginesmith.runtime.protocols import Engine, LoadedEngine
 from enginesmith.runtime.sampling import SamplingParams, apply_repetition_penalty, probabilities
 
 
@@ -162,26 +167,27 @@ class ModelDrafter:
             self.length = valid
 
 
-def open_drafter(spec: str, target_vocab: int, target_tokenizer=None, device: str = "auto",
-                 threads: int | None = None):
-    """`ngram` -> NgramDrafter; `draft:PATH` (an engine directory, or a model spec that is built and
-    cached like --model) -> ModelDrafter. Refuses a draft whose vocabulary differs from the target's."""
+def draft_model(spec: str) -> str | None:
+    """The PATH of `draft:PATH` (an engine directory or a model spec), None for `ngram`; a
+    UserError for anything else. A model spec is built by the caller (the CLI: cached_engine)."""
     if spec == "ngram":
-        return NgramDrafter()
+        return None
     kind, sep, path = spec.partition(":")
     if kind != "draft" or not sep or not path:
         raise UserError(f"unknown speculative mode {spec!r}", "use --speculative ngram or --speculative draft:PATH")
-    from pathlib import Path
+    return path
 
-    from enginesmith.runtime.load import open_engine
 
-    if (Path(path) / "build.json").is_file():
-        engine_path = Path(path)
-    else:
-        from enginesmith.build.engine import BuildConfig, cached_engine
-
-        engine_path = cached_engine(BuildConfig(model=path))
-    draft = open_engine(engine_path, device=device, threads=threads)
+def open_drafter(source: str | Path | LoadedEngine, target_vocab: int, target_tokenizer=None,
+                 device: str = "auto", threads: int | None = None):
+    """`"ngram"` -> NgramDrafter; `"draft:DIR"`, an engine directory DIR or an opened LoadedEngine
+    -> ModelDrafter. Refuses a draft whose vocabulary differs from the target's. The runtime opens
+    engine directories only: the caller builds a model spec first (the CLI, like --model)."""
+    if isinstance(source, str):
+        source = draft_model(source)
+        if source is None:
+            return NgramDrafter()
+    draft = source if isinstance(source, LoadedEngine) else open_engine(source, device=device, threads=threads)
     check_compatible(draft.engine.vocab, target_vocab, draft.tokenizer, target_tokenizer)
     return ModelDrafter(draft.engine)
 
@@ -239,33 +245,25 @@ def _verify(rows: np.ndarray, drafts: list[int], qs: list[np.ndarray] | None, pa
     return len(drafts), token
 
 
-def speculative_tokens(target, drafter, prompt: Sequence[int], config, spec: SpeculativeConfig,
+def speculative_tokens(target: Engine, drafter, prompt: Sequence[int], config, spec: SpeculativeConfig,
                        stats: SpeculativeStats | None = None) -> Iterator[int]:
     """Yield the new tokens of one sequence (config: generate.GenerationConfig), stopping after a
     stop token or the budget, exactly as plain decoding would."""
     stats = stats if stats is not None else SpeculativeStats()
-    if getattr(drafter, "vocab", None) not in (None, target.vocab):
+    if drafter.vocab not in (None, target.vocab):  # None: the n-gram drafter takes any vocabulary
         check_compatible(drafter.vocab, target.vocab)
-    if len(prompt) == 0:
-        raise UserError("empty prompt", "give at least one token of prompt")
-    budget = config.max_new_tokens
-    if config.max_positions is not None:
-        if len(prompt) >= config.max_positions:
-            raise UserError(f"prompt of {len(prompt)} tokens does not fit the model's context of "
-                            f"{config.max_positions} tokens", "shorten the prompt")
-        budget = min(budget, config.max_positions - len(prompt))
+    budget = check_budget([len(prompt)], config.max_new_tokens, config.max_positions)
     params = config.sampling
     rng = np.random.default_rng(params.seed)
     stop = set(config.stop_token_ids)
     context = np.asarray(prompt, dtype=np.int64)
     cache = target.new_cache(1)
-    if not hasattr(cache, "truncate"):
+    if not cache.rollback:  # fail before decoding
         raise UserError(f"the {type(cache).__name__} KV cache has no rollback (truncate)",
                         "use a KV layout with rollback (dense, paged) or run without --speculative")
-    cache.truncate(0)  # an empty cache: a no-op, unless the layout refuses rollback (fail before decoding)
     drafter.reset(context)
     # A device engine can verify greedy drafts without moving logits to the host (argmax per row).
-    on_device = params.greedy and params.repetition_penalty == 1.0 and hasattr(target, "greedy_forward")
+    on_device = params.greedy and params.repetition_penalty == 1.0 and target.device_decode
     if on_device:
         token = int(target.greedy_forward(context, cache)[-1])
     else:
@@ -312,18 +310,16 @@ def speculative_tokens(target, drafter, prompt: Sequence[int], config, spec: Spe
             k = min(spec.k, k + 2) if accepted == len(drafts) else max(1, k - 1)
 
 
-def speculative_ids(target, prompts: Sequence[Sequence[int]], config, pad_id: int = 0, *, drafter,
+def speculative_ids(target: Engine, prompts: Sequence[Sequence[int]], config, pad_id: int = 0, *, drafter,
                     spec: SpeculativeConfig, stats: SpeculativeStats | None = None
                     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Drop-in for generate.generate_ids: (next ids [B], finished-before-this-step [B]) per step.
 
     Rows are decoded one after another (speculation is per sequence) and their tokens zipped
     into steps; a finished row repeats its last token, which callers ignore."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("empty prompt", "give at least one token of prompt")
-    if config.max_positions is not None and len(prompts) > 1:  # one budget for all rows, as generate_ids
-        room = max(1, config.max_positions - max(len(p) for p in prompts))
-        config = replace(config, max_new_tokens=min(config.max_new_tokens, room))
+    budget = check_budget([len(p) for p in prompts], config.max_new_tokens, config.max_positions)
+    if len(prompts) > 1:  # one budget for all rows, as generate_ids
+        config = replace(config, max_new_tokens=budget)
     rows = [list(speculative_tokens(target, drafter, p, config, spec, stats)) for p in prompts]
     stop = set(config.stop_token_ids)
     finished = np.zeros(len(rows), dtype=bool)

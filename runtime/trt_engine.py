@@ -1,4 +1,4 @@
-"""TensorRT backend: build a serialized plan from the final ONNX graph, and run it as an Engine.
+"""TensorRT backend: open a plan built by enginesmith/build/trt_plan.py and run it as an Engine.
 
 Written against the TensorRT Python API (10.x; 11.x accepts the same calls) and type-checked with
 mypy against its stubs; TensorRT cannot be installed on this project's machines, so none of the
@@ -6,11 +6,8 @@ code that touches `tensorrt` has run here (see docs/deploy.md). `tensorrt` and C
 are imported only inside the functions that need them; without TensorRT every entry point raises
 a UserError that says so.
 
-Engine directory (next to model.onnx + data, tokenizer/):
-    model.plan                 the serialized engine (weights stripped with strip_weights=True)
-    plugins/<lib>.so           copies of the plugin libraries the plan was built with
-    build.json backend:        {name: "tensorrt", version, plan, sm, device, plugins [{file, sha256}],
-                                profiles, flags, weights: "in-plan" | "refit-from-onnx", ...}
+Engine directory (next to model.onnx + data, tokenizer/): model.plan, plugins/<lib>.so, and
+build.json's backend section (see enginesmith/build/trt_plan.py for what the builder writes).
 
 Dimension legend: B batch, S new tokens, P cached positions, T = P + S, V vocab, Hkv KV heads, D head dim.
 Two optimization profiles: 0 "prefill" (S in 1..max_input) and 1 "decode" (S = 1).
@@ -26,271 +23,22 @@ enqueue, replayed for every decode step with inputs copied into the same static 
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from enginesmith.core import engine_dir
+from enginesmith.core import engine_dir, io_names
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import KVLayout, Manifest
+from enginesmith.core.tensorrt import current_sm, ensure_tensorrt, load_plugins, shape_of
+from enginesmith.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import tensorrt as trt
 
-PLAN = "model.plan"
-PLUGIN_DIR = "plugins"
 PROFILE_PREFILL, PROFILE_DECODE = 0, 1
-_TRT_FIX = ("install TensorRT 10.x/11.x for this GPU (pip install tensorrt-cu12 or the JetPack package), "
-            "or use the ONNX Runtime backend (--backend ort)")
-
-
-def ensure_tensorrt() -> None:
-    """Raise a UserError saying how to get TensorRT when `import tensorrt` fails.
-
-    Callers then `import tensorrt as trt` locally, so mypy checks every call against the stubs.
-    """
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        raise UserError("TensorRT is not installed (import tensorrt failed)", _TRT_FIX) from None
-
-
-def require_tensorrt() -> str:
-    """Check up front (before a long export) that TensorRT and a CUDA GPU are here; return the TRT version."""
-    ensure_tensorrt()
-    import tensorrt as trt
-
-    version = str(trt.__version__)
-    if current_sm() is None:
-        raise UserError("TensorRT needs a CUDA GPU and none is visible", "run on a machine with an NVIDIA GPU")
-    return version
-
-
-def current_sm() -> str | None:
-    """'major.minor' compute capability of CUDA device 0, or None without CUDA."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability(0)
-    return f"{major}.{minor}"
-
-
-# ----------------------------------------------------------------------------- build
-
-@dataclass(frozen=True)
-class TrtBuildConfig:
-    """What a TensorRT build needs beyond the graph; validated once in __post_init__."""
-
-    max_batch: int = 8
-    max_input: int = 1024            # most new tokens in one call (prefill chunk)
-    max_positions: int = 4096        # KV capacity C: prompt + output
-    opt_batch: int = 1
-    opt_input: int = 128
-    opt_positions: int = 512
-    plugin_libraries: tuple[str, ...] = ()
-    timing_cache: str | None = None  # read if present, written back after the build
-    sparse_weights: bool = False     # BuilderFlag.SPARSE_WEIGHTS (2:4 weights -> sparse tensor cores)
-    strip_weights: bool = False      # STRIP_PLAN + REFIT_IDENTICAL: plan without weights, refit from model.onnx.data at load
-    weight_streaming: bool = False   # WEIGHT_STREAMING: weights may stay in host memory, streamed per layer
-    workspace_bytes: int | None = None
-    optimization_level: int = 3      # 0..5; lower builds faster with less memory
-    max_aux_streams: int | None = None
-    hardware_compatibility: str = "none"  # "none" | "ampere_plus" | "same_compute_capability"
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch", "max_input", "max_positions", "opt_batch", "opt_input", "opt_positions"):
-            if getattr(self, name) < 1:
-                raise UserError(f"invalid {name}={getattr(self, name)}", f"{name} must be >= 1")
-        if not (self.opt_batch <= self.max_batch and self.opt_input <= self.max_input
-                and self.opt_positions <= self.max_positions and self.max_input <= self.max_positions):
-            raise UserError("optimization profile out of order",
-                            "need opt_batch <= max_batch, opt_input <= max_input <= max_positions, "
-                            "opt_positions <= max_positions")
-        if not 0 <= self.optimization_level <= 5:
-            raise UserError(f"invalid optimization_level={self.optimization_level}", "use 0..5")
-        if self.hardware_compatibility not in ("none", "ampere_plus", "same_compute_capability"):
-            raise UserError(f"unknown hardware_compatibility {self.hardware_compatibility!r}",
-                            "use none, ampere_plus or same_compute_capability")
-
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ProfileShapes:
-    """min/opt/max per input for one optimization profile."""
-
-    name: str
-    shapes: dict[str, tuple[Shape, Shape, Shape]] = field(default_factory=dict)
-
-
-def profile_shapes(inputs: dict[str, Shape], config: TrtBuildConfig) -> list[ProfileShapes]:
-    """Prefill and decode profiles for the dense KV-cache I/O (see export/kv_io.py).
-
-    `inputs` maps each network input to its ONNX shape with -1 for dynamic dims. A past input
-    whose sequence dim is fixed (a static-capacity cache) keeps that size in every profile.
-    """
-    c, b = config, (1, config.opt_batch, config.max_batch)
-    profiles = []
-    for name, (s_min, s_opt, s_max) in (("prefill", (1, c.opt_input, c.max_input)), ("decode", (1, 1, 1))):
-        p_opt = 0 if name == "prefill" else c.opt_positions - 1
-        shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
-        for tensor, dims in inputs.items():
-            if tensor in ("input_ids", "position_ids"):
-                shapes[tensor] = ((b[0], s_min), (b[1], s_opt), (b[2], s_max))
-            elif tensor == "attention_mask":
-                if dims[1] != -1:  # static mask length = capacity
-                    shapes[tensor] = ((b[0], dims[1]), (b[1], dims[1]), (b[2], dims[1]))
-                else:
-                    shapes[tensor] = ((b[0], s_min), (b[1], p_opt + s_opt), (b[2], c.max_positions))
-            elif tensor.startswith("past_key_values."):
-                heads, seq, dim = dims[1], dims[2], dims[3]
-                if seq != -1:
-                    shapes[tensor] = tuple((bb, heads, seq, dim) for bb in b)  # type: ignore[assignment]
-                else:
-                    shapes[tensor] = ((b[0], heads, 0, dim), (b[1], heads, p_opt, dim),
-                                      (b[2], heads, c.max_positions - s_min, dim))
-            elif -1 not in dims:
-                shapes[tensor] = (dims, dims, dims)
-            else:
-                raise UserError(f"network input {tensor!r} {dims} has dynamic dims enginesmith does not know",
-                                "export with `enginesmith build` (export/kv_io.py input names)")
-        profiles.append(ProfileShapes(name, shapes))
-    return profiles
-
-
-def _dims(dims: trt.Dims) -> Shape:
-    """A TensorRT Dims as a tuple (-1 for dynamic dims)."""
-    return tuple(int(dims[i]) for i in range(len(dims)))
-
-
-def _parse_errors(parser: trt.OnnxParser) -> str:
-    return "; ".join(str(parser.get_error(i)) for i in range(min(int(parser.num_errors), 5)))
-
-
-def _load_plugins(libraries: Sequence[str]) -> list[Any]:
-    """Register the plugin creators of each library (getCreators) with TensorRT's registry."""
-    import tensorrt as trt
-
-    registry = trt.get_plugin_registry()
-    handles = []
-    for lib in libraries:
-        if not Path(lib).is_file():
-            raise UserError(f"plugin library {lib} does not exist",
-                            "build it (cmake -S plugins -B plugins/build) or fix the path")
-        handle = registry.load_library(str(lib))
-        if handle is None:
-            raise UserError(f"TensorRT could not load plugin library {lib}",
-                            "check it was built for this TensorRT/CUDA (ldd, CMAKE_CUDA_ARCHITECTURES)")
-        handles.append(handle)
-    return handles
-
-
-def build_plan(onnx_path: str | Path, out_dir: str | Path, config: TrtBuildConfig) -> dict:
-    """Build `out_dir/model.plan` (+ plugins/) from the final graph; return build.json's backend section.
-
-    Peak host memory stays near the size of the weights: the parser reads external data from disk
-    itself (nothing is loaded in Python) and the plan is serialized straight to the file.
-    """
-    ensure_tensorrt()
-    import tensorrt as trt
-
-    sm = current_sm()
-    if sm is None:
-        raise UserError("TensorRT needs a CUDA GPU and none is visible", "run on a machine with an NVIDIA GPU")
-    import torch
-
-    onnx_path, out_dir = Path(onnx_path), Path(out_dir)
-    logger = trt.Logger(trt.Logger.WARNING)
-    _load_plugins(config.plugin_libraries)
-    builder = trt.Builder(logger)
-    # Strongly typed: precision comes from the graph. TensorRT 11 ignores the (kept) flag: always typed.
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        raise UserError(f"TensorRT {trt.__version__} could not parse {onnx_path}: {_parse_errors(parser)}",
-                        f"run `enginesmith trt-lint {onnx_path} --trt-version {trt.__version__}`")
-    inputs = {}
-    for i in range(network.num_inputs):
-        tensor = network.get_input(i)
-        inputs[tensor.name] = _dims(tensor.shape)
-
-    builder_config = builder.create_builder_config()
-    builder_config.builder_optimization_level = config.optimization_level
-    if config.workspace_bytes:
-        builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, config.workspace_bytes)
-    if config.max_aux_streams is not None:
-        builder_config.max_aux_streams = config.max_aux_streams
-    flags = []
-    if config.sparse_weights:
-        builder_config.set_flag(trt.BuilderFlag.SPARSE_WEIGHTS)
-        flags.append("SPARSE_WEIGHTS")
-    if config.strip_weights:
-        builder_config.set_flag(trt.BuilderFlag.STRIP_PLAN)
-        builder_config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
-        flags += ["STRIP_PLAN", "REFIT_IDENTICAL"]
-    if config.weight_streaming:
-        builder_config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
-        flags.append("WEIGHT_STREAMING")
-    if config.plugin_libraries:  # PagedAttention writes its cache in place (aliased plugin I/O)
-        builder_config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-    if config.hardware_compatibility != "none":
-        builder_config.hardware_compatibility_level = getattr(
-            trt.HardwareCompatibilityLevel, config.hardware_compatibility.upper())
-    profiles = profile_shapes(inputs, config)
-    for prof in profiles:
-        profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in prof.shapes.items():
-            profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
-        builder_config.add_optimization_profile(profile)
-
-    cache_path = Path(config.timing_cache) if config.timing_cache else None
-    cache_bytes = cache_path.read_bytes() if cache_path and cache_path.is_file() else b""
-    timing_cache = builder_config.create_timing_cache(cache_bytes)
-    builder_config.set_timing_cache(timing_cache, False)
-
-    serialized = builder.build_serialized_network(network, builder_config)
-    if serialized is None:
-        raise UserError(f"TensorRT could not build an engine from {onnx_path} (see the log above)",
-                        "check the profile sizes fit GPU memory, or lower max_batch / max_input")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out_dir / PLAN, memoryview(serialized))
-    if cache_path is not None:
-        _write_atomic(cache_path, memoryview(builder_config.get_timing_cache().serialize()))
-
-    plugins = []
-    for lib in config.plugin_libraries:
-        rel = f"{PLUGIN_DIR}/{Path(lib).name}"
-        (out_dir / PLUGIN_DIR).mkdir(exist_ok=True)
-        shutil.copy2(lib, out_dir / rel)
-        plugins.append({"file": rel, "sha256": engine_dir.sha256(out_dir / rel), "source": str(lib)})
-    return {
-        "name": "tensorrt", "version": str(trt.__version__), "plan": PLAN, "sm": sm,
-        "device": torch.cuda.get_device_name(0), "plugins": plugins,
-        "profiles": {p.name: {k: [list(s) for s in v] for k, v in p.shapes.items()} for p in profiles},
-        "flags": flags, "weights": "refit-from-onnx" if config.strip_weights else "in-plan",
-        "weight_streaming": config.weight_streaming, "hardware_compatibility": config.hardware_compatibility,
-        "max_batch": config.max_batch, "max_input": config.max_input, "max_positions": config.max_positions,
-    }
-
-
-def _write_atomic(path: Path, data: memoryview) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ----------------------------------------------------------------------------- load
@@ -353,8 +101,6 @@ def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), veri
 
     `plugin_libraries` overrides the copies in the engine directory (Triton passes its paths).
     """
-    from enginesmith.runtime.tokenizer import Tokenizer
-
     path = Path(path)
     manifest = engine_dir.read_manifest(path)
     check_manifest(manifest, current_sm(), None)  # clear errors before TensorRT is even imported
@@ -370,7 +116,7 @@ def open_trt_engine(path: str | Path, plugin_libraries: Sequence[str] = (), veri
     backend = manifest.backend
     assert backend.plan and backend.max_batch and backend.max_input and backend.max_positions  # check_manifest
     logger = trt.Logger(trt.Logger.WARNING)
-    _load_plugins(libraries)
+    load_plugins(libraries)
     runtime = trt.Runtime(logger)
     cuda_engine = runtime.deserialize_cuda_engine((path / backend.plan).read_bytes())
     if cuda_engine is None:
@@ -411,6 +157,8 @@ class TrtKVCache:
     from one generation to the next); a cache is a view of them: length P and which copy is current.
     """
 
+    rollback, evicts = True, False  # protocols.KVCache
+
     def __init__(self, buffers: list[list[Any]], batch: int, kv_heads: int, head_dim: int, in_place: bool) -> None:
         self.buffers = buffers        # [layer*2 + k/v][copy] -> flat tensor of B*Hkv*C*D on the GPU
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
@@ -430,9 +178,14 @@ class TrtKVCache:
             self.parity = 1 - self.parity
         self.length = length
 
+    def nbytes(self) -> int:
+        return sum(int(t.numel() * t.element_size()) for copies in self.buffers for t in copies)
+
 
 class TrtEngine:
     """forward(ids, mask, positions, cache) -> logits [B, S, V] float32, over one execution context."""
+
+    device, device_decode = "cuda", False  # protocols.Engine
 
     def __init__(self, cuda_engine: trt.ICudaEngine, max_batch: int, max_input: int, capacity: int,
                  cuda_graphs: bool = True) -> None:
@@ -446,14 +199,14 @@ class TrtEngine:
         names = [cuda_engine.get_tensor_name(i) for i in range(cuda_engine.num_io_tensors)]
         self.inputs = [n for n in names if cuda_engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if cuda_engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.past = [n for n in self.inputs if n.startswith("past_key_values.")]
-        self.present = [n for n in self.outputs if n.startswith("present.")]
+        self.past = [n for n in self.inputs if io_names.is_past(n)]
+        self.present = [n for n in self.outputs if io_names.is_present(n)]
         self.dtypes = {n: _torch_dtype(cuda_engine.get_tensor_dtype(n)) for n in names}
-        first = _dims(cuda_engine.get_tensor_shape(self.past[0]))
+        first = shape_of(cuda_engine.get_tensor_shape(self.past[0]))
         self.kv_heads, self.head_dim = int(first[1]), int(first[3])
         self.in_place = int(first[2]) != -1             # fixed-capacity cache (IKVCacheUpdateLayer)
-        self.mask_len = _dims(cuda_engine.get_tensor_shape("attention_mask"))[1]  # -1 or C
-        self.vocab = _dims(cuda_engine.get_tensor_shape("logits"))[-1]
+        self.mask_len = shape_of(cuda_engine.get_tensor_shape("attention_mask"))[1]  # -1 or C
+        self.vocab = shape_of(cuda_engine.get_tensor_shape("logits"))[-1]
         self.cuda_graphs = cuda_graphs and self.in_place
         dev = torch.device("cuda", torch.cuda.current_device())
         # Static buffers, bound once: the largest shapes of any profile.

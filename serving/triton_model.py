@@ -39,6 +39,7 @@ from enginesmith.serving.triton_repository import DEFAULT_MAX_TOKENS, INPUTS, Mo
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.chat import encode_prompt, stop_token_ids
 from enginesmith.runtime.generate import MAX_NEW_TOKENS, GenerationConfig, stream
+from enginesmith.runtime.load import open_engine
 from enginesmith.runtime.sampling import SamplingParams
 
 
@@ -162,9 +163,7 @@ def prompt_ids(tokenizer: Any, settings: RequestSettings, special_tokens_in_text
 
 
 def _open(path: Path, options: ModelOptions, params: Mapping[str, str]) -> Any:
-    """LoadedEngine for an ONNX Runtime or TensorRT engine directory."""
-    from enginesmith.runtime.load import open_engine
-
+    """LoadedEngine for an ONNX Runtime or TensorRT engine directory, through the runtime's one door."""
     plugins = [p for p in params.get("TRT_PLUGINS", "").split(",") if p]
     return open_engine(path, device=options.device, threads=options.threads or None,
                        verify_hashes=options.verify_hashes, plugin_libraries=plugins)

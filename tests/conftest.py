@@ -6,6 +6,9 @@ second test session, or a `run` before it, reuses them.
 - `smollm2_engine`: Path of the default fp32 ONNX Runtime engine directory.
 - `smollm2_onnx`: Path of its model.onnx (KV-cache I/O, external data).
 - `tiny_engine(family)`: engine directory of a tiny random model (`tiny:<family>`).
+- `austen`: the Jane Austen corpus (Debian package r-cran-janeaustenr) is installed; tests that read
+  it (`eval ppl`'s default text, calibration) ask for it, so they skip without it (fail under
+  ENGINESMITH_TEST_STRICT=1, see tests/external.py).
 Tests that use the SmolLM2 fixtures are `@pytest.mark.slow` (they still run in CI).
 """
 
@@ -26,6 +29,17 @@ def _require_default_model():
         default_gguf()
     except UserError as exc:
         missing(f"default model: {exc.what}", exc.fix)
+
+
+@pytest.fixture(scope="session")
+def austen():
+    from enginesmith.core.errors import UserError
+    from enginesmith.models import corpus
+
+    try:
+        corpus.data_dir()
+    except UserError as exc:
+        missing(exc.what, exc.fix)
 
 
 @pytest.fixture(scope="session")

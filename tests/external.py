@@ -30,10 +30,11 @@ def strict() -> bool:
 
 
 def missing(what: str, fix: str) -> NoReturn:
-    """Skip the calling test (fail it under strict mode), saying what is missing and the fix."""
+    """Skip the calling test (fail it under strict mode), saying what is missing and the fix. At a
+    module's top level it skips the module (under strict: a collection error, which stops the run)."""
     if strict():
         pytest.fail(f"strict: {what} (fix: {fix}; {STRICT_ENV}=1 turns this skip into a failure)", pytrace=False)
-    pytest.skip(f"{what} (fix: {fix})")
+    pytest.skip(f"{what} (fix: {fix})", allow_module_level=True)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ def _json(result):
     return json.loads(result.stdout)
 
 
-def test_eval_ppl_json_matches_pytorch_on_a_tiny_model(tiny_engine):
+def test_eval_ppl_json_matches_pytorch_on_a_tiny_model(tiny_engine, austen):
     r = _json(cli("eval", "ppl", "--engine", str(tiny_engine("qwen2")), "--tokens", "600", "--window", "200",
                   "--compare", "hf", "--json"))
     assert r["tokens"] == 597 and r["windows"] == 3
@@ -22,7 +22,7 @@ def test_eval_ppl_json_matches_pytorch_on_a_tiny_model(tiny_engine):
 
 
 @pytest.mark.slow
-def test_eval_ppl_smollm2_pride_and_prejudice_equals_pytorch(smollm2_engine):
+def test_eval_ppl_smollm2_pride_and_prejudice_equals_pytorch(smollm2_engine, austen):
     r = _json(cli("eval", "ppl", "--engine", str(smollm2_engine), "--tokens", "4096", "--window", "1024",
                   "--compare", "hf", "--json"))
     assert r["tokens"] == 4092 and r["windows"] == 4

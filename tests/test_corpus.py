@@ -1,4 +1,5 @@
-"""The Jane Austen corpus read from the Debian package r-cran-janeaustenr, and user text files."""
+"""The Jane Austen corpus read from the Debian package r-cran-janeaustenr, and user text files.
+Tests that read the corpus take the `austen` fixture (tests/conftest.py): without the package they skip."""
 
 from __future__ import annotations
 
@@ -6,23 +7,14 @@ import pytest
 
 from enginesmith.core.errors import UserError
 from enginesmith.models import corpus
-from external import missing
 
 
-@pytest.fixture(scope="module")
-def installed():
-    try:
-        corpus.data_dir()
-    except UserError as exc:
-        missing(exc.what, exc.fix)
-
-
-def test_novels(installed):
+def test_novels(austen):
     assert corpus.novels() == ["emma", "mansfieldpark", "northangerabbey", "persuasion",
                                "prideprejudice", "sensesensibility"]
 
 
-def test_pride_and_prejudice(installed):
+def test_pride_and_prejudice(austen):
     text = corpus.austen_text("prideprejudice")
     assert text.startswith("PRIDE AND PREJUDICE\n\nBy Jane Austen\n\n\n\nChapter 1\n\n\n"
                            "It is a truth universally acknowledged, that a single man in possession\n"
@@ -34,13 +26,13 @@ def test_pride_and_prejudice(installed):
     assert all(isinstance(line, str) and "\n" not in line for line in lines)
 
 
-def test_every_novel_reads(installed):
+def test_every_novel_reads(austen):
     for name in corpus.novels():
         assert len(corpus.austen_text(name)) > 400_000, name
     assert "Emma Woodhouse, handsome, clever, and rich" in corpus.austen_text("emma").replace("\n", " ")
 
 
-def test_unknown_novel(installed):
+def test_unknown_novel(austen):
     with pytest.raises(UserError, match="unknown novel") as err:
         corpus.austen_text("ulysses")
     assert "prideprejudice" in err.value.fix
@@ -70,7 +62,7 @@ def test_load_text_file(tmp_path):
     assert corpus.load_text(str(f)) == "Ünïcode text\nsecond line\n"
 
 
-def test_load_text_falls_back_to_corpus(installed):
+def test_load_text_falls_back_to_corpus(austen):
     assert corpus.load_text(None, novel="persuasion") == corpus.austen_text("persuasion")
 
 

@@ -174,7 +174,7 @@ def test_a_second_build_to_the_same_out_fails_fast(tmp_path):
     """A real second process holds the lock while the CLI tries to build the same --out."""
     out = tmp_path / "engine"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from enginesmith import engine_dir\n"
+        "import sys, time; from enginesmith.core import engine_dir\n"
         f"with engine_dir.lock(engine_dir.Path({str(out)!r}), wait=False):\n"
         "    print('locked', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:

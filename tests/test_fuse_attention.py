@@ -26,7 +26,8 @@ def export_torchscript(model, path: Path, opset: int = 18) -> Path:
     """The TorchScript exporter's graph of KVCacheIO(model): unfused attention."""
     import torch
 
-    from enginesmith.export.kv_io import KVCacheIO, KVShape, input_names, output_names
+    from enginesmith.core.io_names import input_names, output_names
+    from enginesmith.export.kv_io import KVCacheIO, KVShape
     from enginesmith.export.to_onnx import example_inputs
 
     shape = KVShape.of(model.config)

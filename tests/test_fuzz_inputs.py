@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is a test extra: pip install -e '.[test]'")
+from external import require_module
+
+hypothesis = require_module("hypothesis", "pip install -e '.[test]' (hypothesis is a test extra)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -47,7 +47,7 @@ def fake_dist(site: Path, name: str, version: str, module: bool = True) -> None:
 def flavour_probe(*sites: Path) -> dict:
     """check() in a fresh interpreter that sees only `sites` and the repo (no site-packages)."""
     code = ("import json\n"
-            "from enginesmith import onnxruntime_flavour as f\n"
+            "from enginesmith.core import onnxruntime_flavour as f\n"
             "from enginesmith.core.errors import UserError\n"
             "i = f.inspect()\n"
             "out = {'flavour': i.flavour, 'version': i.version, 'notes': list(i.notes)}\n"

@@ -249,7 +249,7 @@ def test_cli_refuses_bad_ring_settings(argv, message, capsys):
     assert err.startswith("error: ") and message in err and "(fix: " in err
 
 
-def test_cli_run_and_eval_with_a_ring(capsys, tmp_path):
+def test_cli_run_and_eval_with_a_ring(capsys, tmp_path, austen):
     from enginesmith.cli import main
 
     assert main(["run", "--model", "tiny:llama", "--kv", "ring", "--sinks", "2", "--kv-window", "8",

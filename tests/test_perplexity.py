@@ -95,7 +95,7 @@ def test_ort_matches_torch_tiny(tiny_llama):
 
 
 @pytest.mark.slow
-def test_smollm2_ort_matches_torch_on_austen(smollm2, smollm2_onnx):
+def test_smollm2_ort_matches_torch_on_austen(smollm2, smollm2_onnx, austen):
     """facts.md: SmolLM2 fp32, first 4096 tokens of Pride and Prejudice, no BOS, 1024 windows: 20.30."""
     from enginesmith.models.corpus import austen_text
     from enginesmith.runtime.ort_engine import OrtEngine

@@ -25,6 +25,9 @@ ALPHA = 1e-3
 # ----------------------------------------------------------------------------- a toy LM in numpy
 
 class ToyCache:
+    rollback = True  # protocols.KVCache
+    evicts = False
+
     def __init__(self):
         self.tokens: list[int] = []
 
@@ -38,6 +41,8 @@ class ToyCache:
 
 class ToyLM:
     """Next-token logits are a random function of the last two tokens (a trigram table)."""
+
+    device, device_decode = "cpu", False  # protocols.Engine
 
     def __init__(self, vocab: int, seed: int, scale: float = 1.5):
         self.vocab = vocab
@@ -273,7 +278,9 @@ def test_bad_input_is_a_user_error():
 
     class NoRollback(ToyLM):
         def new_cache(self, batch):
-            return object()
+            cache = ToyCache()
+            cache.rollback = False
+            return cache
 
     with pytest.raises(UserError, match="rollback"):
         list(sp.speculative_tokens(NoRollback(5, 0), sp.NgramDrafter(), [1, 2], GenerationConfig(max_new_tokens=3),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from enginesmith.runtime.tokenizer import Tokenizer
+from external import missing
 
 TEXTS = ["Hello world", "  Café — 東京 🙂\n\nnew paragraph", "<|im_start|>user\nhi<|im_end|>", ""]
 
@@ -22,7 +23,7 @@ def pair(request, tiny_engine, tmp_path_factory):
         try:
             default_gguf()
         except UserError as exc:
-            pytest.skip(f"default model not installed: {exc}")
+            missing(f"default model: {exc.what}", exc.fix)
         directory = tmp_path_factory.mktemp("smollm2-tokenizer")
         load_tokenizer(resolve(None)).save_pretrained(directory)
     else:

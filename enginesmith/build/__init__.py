@@ -2,11 +2,13 @@
 
     from enginesmith.build import BuildConfig, build
     build(BuildConfig(model="tiny:llama", quant="w4a16-rtn"), "engine-dir")
+    build(BuildConfig(model="tiny:llama", target="ort-cuda", dtype="fp16", quant="w4a16-rtn"), "cuda-dir")
 
-`engine` is the orchestration (one build path, the cached default engine, the CUDA lowering);
-`trt`, `jetson`, `trt_lint` and `trt_ops` are the TensorRT target.
+`engine` is the orchestration: one BuildConfig per target (ort-cpu, ort-cuda, trt), validated once,
+one step list (`steps`), one build path, the cached default engine; `trt` (the glue), `trt_plan`
+(the builder), `jetson`, `trt_lint` and `trt_ops` are the TensorRT target.
 """
 
-from enginesmith.build.engine import GQA_IO, BuildConfig, build, cached_engine, lower_for_cuda
+from enginesmith.build.engine import GQA_IO, TARGETS, BuildConfig, build, cached_engine, lower_for_cuda, steps
 
-__all__ = ["GQA_IO", "BuildConfig", "build", "cached_engine", "lower_for_cuda"]
+__all__ = ["GQA_IO", "TARGETS", "BuildConfig", "build", "cached_engine", "lower_for_cuda", "steps"]

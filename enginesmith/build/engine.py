@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -20,57 +21,128 @@ from pathlib import Path
 from tqdm import tqdm
 
 from enginesmith import __version__
+from enginesmith.build import jetson
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
+from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
+from enginesmith.core.io_names import GQA_IO, MAX_CUDA_BATCH
 from enginesmith.core.paths import cache_dir
+from enginesmith.models import load as models
+from enginesmith.plugins import ort_ops
 
-BACKENDS = ("ort", "trt")
-_LATER_FIELDS = ("page_size", "accuracy_level", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
-                 "trt_version")
+TARGETS = ("ort-cpu", "ort-cuda", "trt")
 KV_LAYOUTS = ("dense", "ring", "paged")
+PAGE_SIZE = 16                 # "paged" default: tokens per KV page
+# fields added after the first cache keys: in a key only when they differ from the default
+_LATER_FIELDS = ("page_size", "accuracy_level", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
+                 "trt_version", "capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention")
+_CUDA_FIELDS = ("capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention")
 
 
 @dataclass(frozen=True)
 class BuildConfig:
+    """What to build: the model, the target, and the passes; validated once, here (`validate`).
+
+    target "ort-cpu": ONNX Runtime (CPU, or CUDA through the plain graph); "ort-cuda": ORT CUDA's
+    fast decode path (runtime.ort_cuda.GqaEngine: GroupQueryAttention on shared KV buffers, fp16/bf16);
+    "trt": a TensorRT plan (build/trt.py)."""
     model: str | None = None     # see models.load.resolve
+    target: str = "ort-cpu"      # "ort-cpu" | "ort-cuda" | "trt"
     dtype: str = "fp32"
     opset: int = 23
-    backend: str = "ort"         # "ort" | "trt"
     kv_layout: str = "dense"     # "ring": StreamingLLM cache of kv_sinks + kv_window slots
     kv_sinks: int = 4
     kv_window: int = 1020
-    page_size: int = 16          # "paged": tokens per KV page (block)
+    page_size: int = PAGE_SIZE   # "paged": tokens per KV page (block)
     # graph passes (enginesmith.passes): a preset and/or an explicit pipeline, then the lowering
-    quant: str | None = None     # w8a8-naive | w8a8-sq | w4a16-rtn | w4a16-awq
+    quant: str | None = None     # w8a8-naive | w8a8-sq | w4a16-rtn | w4a16-awq (ort-cuda: w4a16-rtn)
     passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
     block_size: int = 128        # W4A16 block along K
     alpha: float | None = None   # SmoothQuant strength; None = searched per layer
     calib_text: str | None = None  # calibration text file (default: the Austen corpus)
     calib_samples: int = 32
     accuracy_level: int = 0      # ORT MatMulNBits: 0 = fp activations, 4 = int8 activations (faster on CPU)
-    # TensorRT (backend "trt"): a deploy.trt_build.TrtBuildConfig, a Jetson preset, a lint target
+    # ort-cuda: KV positions (None = the model's context), KV rows the runtime allocates (recorded as
+    # kv_layout.max_batch), the lm_head int4 too, the decode GEMVs (and the attention) as enginesmith's
+    # ORT custom ops (None: when libenginesmith_ort_ops.so is built; True: required)
+    capacity: int | None = None
+    max_batch: int | None = None
+    quantize_lm_head: bool = False
+    custom_ops: bool | None = None
+    custom_attention: bool = False
+    # trt: a build.trt_plan.TrtBuildConfig, a Jetson preset, a lint target
     trt: object | None = None
     preset: str | None = None
     trt_version: str | None = None
 
     def __post_init__(self):
+        self.validate()
+
+    @property
+    def backend(self) -> str:
+        """The runtime family: "trt", else "ort" (the passes' lowering and the cache keys use it)."""
+        return "trt" if self.target == "trt" else "ort"
+
+    def validate(self) -> None:
+        """Refuse a combination the target does not build, naming what it supports (flags as the CLI spells them)."""
+        if self.target not in TARGETS:
+            raise UserError(f"unknown target {self.target!r}", f"use one of: {', '.join(TARGETS)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise UserError(f"unknown KV layout {self.kv_layout!r}", f"use one of: {', '.join(KV_LAYOUTS)}")
         if self.kv_layout == "ring" and (self.kv_sinks < 0 or self.kv_window < 1):
             raise UserError(f"a ring KV cache needs sinks >= 0 and a window >= 1 (got --sinks {self.kv_sinks}, "
                             f"--kv-window {self.kv_window})", "e.g. --sinks 4 --kv-window 1020")
+        if self.page_size < 1:
+            raise UserError(f"--page-size {self.page_size} is not a positive number of tokens", "use e.g. --page-size 16")
+        if self.target == "ort-cuda":
+            self._validate_cuda()
+            return
+        if self.preset is not None and self.target != "trt":
+            raise UserError("--preset is a TensorRT (Jetson) preset", "add --backend trt")
+        only_cuda = [flag for flag, given in (("--max-batch", self.max_batch is not None),
+                                              ("--quantize-lm-head", self.quantize_lm_head),
+                                              ("--custom-ops", self.custom_ops is not None),
+                                              ("--custom-attention", self.custom_attention),
+                                              ("--capacity", self.capacity is not None)) if given]
+        if only_cuda:
+            raise UserError(f"{' and '.join(only_cuda)} belong{'s' * (len(only_cuda) == 1)} to --for-cuda engines",
+                            "add --for-cuda" + (" (a TensorRT build takes --trt-max-batch)"
+                                                if self.max_batch is not None else ""))
+
+    def _validate_cuda(self) -> None:
+        refuse = [(self.kv_layout != "dense", f"--kv {self.kv_layout}"), (self.passes is not None, "--passes"),
+                  (self.preset is not None, "--preset"), (self.trt is not None, "--backend trt"),
+                  (self.trt_version is not None, "--trt-version"),
+                  (self.quant not in (None, "w4a16-rtn"), f"--quant {self.quant}"),
+                  (self.dtype == "fp32", "--dtype fp32 (GroupQueryAttention on CUDA is fp16/bf16)")]
+        bad = [what for cond, what in refuse if cond]
+        if bad:
+            raise UserError(f"--for-cuda does not combine with {', '.join(bad)}",
+                            "use --for-cuda with --dtype fp16 or bf16 and, for int4 weights, --quant w4a16-rtn")
+        if self.quantize_lm_head and self.quant != "w4a16-rtn":
+            raise UserError("--quantize-lm-head makes the lm_head int4 and needs --quant w4a16-rtn",
+                            "add --quant w4a16-rtn, or drop --quantize-lm-head")
+        if self.max_batch is not None and not 1 <= self.max_batch <= MAX_CUDA_BATCH:
+            raise UserError(f"--max-batch {self.max_batch} is outside 1..{MAX_CUDA_BATCH}",
+                            "use the most sequences you will run at once (each holds a full-capacity KV row)")
+        if self.capacity is not None and self.capacity < 1:
+            raise UserError(f"KV capacity {self.capacity} is not a positive number of positions", "e.g. 2048")
+        if self.custom_attention and self.custom_ops is False:
+            raise UserError("--custom-attention needs the custom ops", "drop --custom-ops off")
 
     def key(self, source_sha: str) -> str:
         """Cache key of the engine this config builds from a source."""
-        fields = {k: v for k, v in asdict(self).items() if k != "model"}
+        fields_ = {k: v for k, v in asdict(self).items() if k not in ("model", "target")}
+        fields_["backend"] = self.backend  # the keys from before targets: "ort" | "trt"
+        if self.target == "ort-cuda":
+            fields_["target"] = self.target
         if self.kv_layout == "dense":  # dense engines keep the keys they had before the kv_ options
-            fields = {k: v for k, v in fields.items() if not k.startswith("kv_")}
-        # plain engines keep the keys they had before the pass and TensorRT options
-        plain = BuildConfig()
-        fields = {k: v for k, v in fields.items()
-                  if k not in _LATER_FIELDS or v != getattr(plain, k)}
-        fields["passes"] = fields.get("passes") or []
-        settings = json.dumps(fields, sort_keys=True)
+            fields_ = {k: v for k, v in fields_.items() if not k.startswith("kv_")}
+        # plain engines keep the keys they had before the pass, TensorRT and CUDA options
+        plain = asdict(BuildConfig())
+        fields_ = {k: v for k, v in fields_.items() if k not in _LATER_FIELDS or v != plain[k]}
+        fields_["passes"] = fields_.get("passes") or []
+        settings = json.dumps(fields_, sort_keys=True)
         return f"{source_sha[:16]}-{hashlib.sha256((settings + __version__).encode()).hexdigest()[:12]}"
 
 
@@ -110,28 +182,33 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted.
     Another build writing `out` at the same time is refused (`locked`: the caller holds its lock).
     `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache)."""
+    ort = require_onnxruntime()  # missing or mixed ONNX Runtime: one line before minutes of export
+    trt_version = _check_tensorrt(config) if config.target == "trt" else None  # before minutes of export
+    if config.target == "ort-cuda" and (config.custom_ops or config.custom_attention):
+        ort_ops.require()  # compiled here on first use, or a one-line reason why it cannot be
+    if config.target == "ort-cuda":  # the plain engine (cached), lowered into `out`
+        with engine_dir.write_atomically(
+                out, overwrite=force, locked=locked,
+                replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp:
+            src = cached_engine(_plain_source(config, config.dtype, config.opset), progress=progress)
+            _lower(src, tmp, config, progress)
+        return Path(out)
+
+    # deferred: torch and transformers (through export) load only when an export runs, not on a cache hit
     import torch
     import transformers
 
-    from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
+    from enginesmith.export.kv_io import KVShape  # deferred: imports torch
+    from enginesmith.export.to_onnx import export  # deferred: imports torch
 
-    ort = require_onnxruntime()  # missing or mixed ONNX Runtime: one line before minutes of export
-
-    from enginesmith.export.kv_io import KVShape
-    from enginesmith.export.to_onnx import export
-    from enginesmith.models import load as models
-
-    if config.backend not in BACKENDS:
-        raise UserError(f"unknown backend {config.backend!r}", f"use one of: {', '.join(BACKENDS)}")
-    trt_version = _check_tensorrt(config) if config.backend == "trt" else None  # before minutes of export
     dtype, opset = _export_settings(config)
-    steps = pipeline(config)
+    pass_steps = steps(config)
     source = models.resolve(config.model)
     out = Path(out)
     started = time.time()
     report: list[dict] = []
-    trt = config.backend == "trt"
-    names = ["load", "export"] + ["passes"] * bool(steps) + ["tokenizer"] + ["tensorrt"] * trt + ["manifest"]
+    trt = config.target == "trt"
+    names = ["load", "export"] + ["passes"] * bool(pass_steps) + ["tokenizer"] + ["tensorrt"] * trt + ["manifest"]
     with engine_dir.write_atomically(
             out, overwrite=force, locked=locked,
             replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp, _stages(names, progress) as stage:
@@ -139,21 +216,19 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
         loaded = models.load(source)
         kv_layout = _kv_layout(config, KVShape.of(loaded.model.config).max_positions)
         stage("export to ONNX")
-        if steps:  # passes start from the plain dense export, built once and cached
-            plain = replace(config, kv_layout="dense", quant=None, passes=None, backend="ort", trt=None,
-                            preset=None, trt_version=None, dtype=dtype, opset=opset)
-            src = cached_engine(plain, progress=progress) / "model.onnx"
+        if pass_steps:  # passes start from the plain dense export, built once and cached
+            src = cached_engine(_plain_source(config, dtype, opset), progress=progress) / "model.onnx"
         else:
             export(loaded.model, tmp / "model.onnx", dtype=dtype, opset=opset)
-        if steps:
+        if pass_steps:
             stage("graph passes")
-            report = _run_passes(config, steps, src, tmp / "model.onnx", loaded.tokenizer, progress)
+            report = _run_passes(config, pass_steps, src, tmp / "model.onnx", loaded.tokenizer, progress)
         stage("tokenizer")
         loaded.tokenizer.save_pretrained(tmp / "tokenizer")
         backend = {"name": "onnxruntime", "version": ort.__version__}
         if trt:
             stage("TensorRT engine")
-            from enginesmith.build import jetson, trt as trt_build
+            from enginesmith.build import trt as trt_build  # deferred: trt_lint imports onnx
 
             target = config.trt_version or (jetson.preset(config.preset).lint_target() if config.preset else None)
             backend = trt_build.build_tensorrt(tmp, config.trt or trt_build.trt_config(config.preset), target)
@@ -176,10 +251,10 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
             "graph": "model.onnx",
             "precision": dtype + (f"+{config.quant}" if config.quant else ""),
             "opset": opset if config.kv_layout == "dense" else max(opset, 24),
-            "passes": [step.spec() for step in steps],
+            "passes": [step.spec() for step in pass_steps],
             "pass_report": [{k: e[k] for k in ("name", "params", "exact", "counts", "max_diff", "seconds")}
                             for e in report],
-            "calibration": _calibration_note(config, steps),
+            "calibration": _calibration_note(config, pass_steps),
             "kv_layout": kv_layout,
             "backend": backend,
             "exporter": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -189,58 +264,121 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     return out
 
 
-def pipeline(config: BuildConfig) -> list:
-    """The pass steps of a build: quantization preset and/or explicit passes, the KV layout, the
-    backend lowering (empty for a plain dense engine)."""
+def _plain_source(config: BuildConfig, dtype: str, opset: int) -> BuildConfig:
+    """The plain dense engine a pass pipeline starts from (cached; an ort-cuda build lowers it)."""
+    if config.target == "ort-cuda":
+        return BuildConfig(model=config.model, dtype=dtype, opset=opset)
+    return replace(config, target="ort-cpu", kv_layout="dense", quant=None, passes=None, trt=None,
+                   preset=None, trt_version=None, dtype=dtype, opset=opset)
+
+
+def steps(config: BuildConfig, max_positions: int | None = None) -> list:
+    """The pass steps of a build, in order: quantization preset and/or explicit passes, the KV layout,
+    the lowering for the target (empty for a plain dense ort-cpu or trt engine). An ort-cuda build's
+    KV capacity is config.capacity, else `max_positions` (the model's context)."""
+    from enginesmith.passes import build_pipeline, make_step, parse_pipeline  # deferred: imports onnx, onnxruntime
+
+    if config.target == "ort-cuda":
+        if not (config.capacity or max_positions):
+            raise ValueError("an ort-cuda pipeline needs the KV capacity (config.capacity or max_positions)")
+        return parse_pipeline(_cuda_pipeline(config, config.capacity or max_positions))
     if not (config.quant or config.passes or config.kv_layout != "dense"):
         return []
-    from enginesmith.passes import build_pipeline, make_step
-
-    steps = build_pipeline(quant=config.quant, passes_text=config.passes, block_size=config.block_size,
-                           alpha=config.alpha, backend=config.backend, accuracy_level=config.accuracy_level)
+    pass_steps = build_pipeline(quant=config.quant, passes_text=config.passes, block_size=config.block_size,
+                                alpha=config.alpha, backend=config.backend, accuracy_level=config.accuracy_level)
     if config.kv_layout == "ring":
         ring = make_step("kv_ring", {"sinks": str(config.kv_sinks), "window": str(config.kv_window)})
-        at = next((i for i, s in enumerate(steps) if s.name.startswith("lower_")), len(steps))
-        steps.insert(at, ring)
+        at = next((i for i, s in enumerate(pass_steps) if s.name.startswith("lower_")), len(pass_steps))
+        pass_steps.insert(at, ring)
     if config.kv_layout == "paged":  # the CPU lowering is a decomposed reference; TensorRT gets the plugin
         paged = make_step("kv_paged", {"page_size": str(config.page_size),
-                                       "lower": "trt" if config.backend == "trt" else "cpu"})
-        at = next((i for i, s in enumerate(steps) if s.name.startswith("lower_")), len(steps))
-        steps.insert(at, paged)
-    return steps
+                                       "lower": "trt" if config.target == "trt" else "cpu"})
+        at = next((i for i, s in enumerate(pass_steps) if s.name.startswith("lower_")), len(pass_steps))
+        pass_steps.insert(at, paged)
+    return pass_steps
 
 
-def _run_passes(config: BuildConfig, steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
-    from enginesmith.passes import calibration_set, run_pipeline
-    from enginesmith.passes.machinery.registry import calibrated_steps
+def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
+    """ort-cuda: GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
+    (skip_rmsnorm), with w4a16-rtn int4 weights as MatMulNBits (the lm_head too with quantize_lm_head,
+    after untie_lm_head gives a tied one its own matrix), and the remaining fp16 MatMuls as
+    FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the embedding table
+    instead of a transposed copy ORT would fold at load); with the custom ops, the decode GEMVs
+    (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops."""
+    # deferred: importing them registers the CUDA passes, and imports onnx
+    from enginesmith.passes.fusion import matmul_transb, skip_rmsnorm, untie_lm_head  # noqa: F401
+    # deferred: as above
+    from enginesmith.passes.lower import lower_gqa, ort_attention, ort_gemv  # noqa: F401
+
+    text = f"lower_gqa:capacity={capacity},skip_rmsnorm"
+    if config.quant == "w4a16-rtn":
+        lm_head = ",untie_lm_head" if config.quantize_lm_head else ""
+        text += (f"{lm_head},quantize_w4a16:block_size={config.block_size}:include_lm_head={config.quantize_lm_head}"
+                 ",lower_ort")
+    text += ",matmul_transb"  # remaining fp16 MatMuls on [N, K] weights: a tied lm_head needs no copy
+    if config.custom_ops or config.custom_attention or (config.custom_ops is None and ort_ops.available()):
+        text += ",ort_gemv" + (",ort_attention" if config.custom_attention else "")
+    return text
+
+
+def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
+    """Write the ort-cuda engine lowered from the engine at `src` into `tmp`: the graph, the tokenizer
+    and build.json (the source's, with the passes appended and kv_layout.io = GQA_IO)."""
+    from enginesmith.passes import run_pipeline  # deferred: imports onnx, onnxruntime
+
+    manifest = engine_dir.verify(src, onnx_graph=True)
+    if manifest.kv_layout.io == GQA_IO:
+        raise UserError(f"{src} is already lowered for CUDA", "lower the engine it was built from")
+    capacity = config.capacity or manifest.model.max_positions
+    pass_steps = steps(config, capacity)
+    if config.custom_ops:
+        ort_ops.require()
+    # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
+    report = run_pipeline(src / manifest.graph, tmp / "model.onnx", pass_steps, progress=progress,
+                          verify_exact=manifest.precision == "fp32")
+    shutil.copytree(src / "tokenizer", tmp / "tokenizer")
+    lowered = {k: v for k, v in manifest.raw.items() if k not in ("files", "created", "format_version")}
+    lowered.update(
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
+        passes=list(manifest.passes) + [step.spec() for step in pass_steps],
+        pass_counts={e["name"]: e["counts"] for e in report},
+        kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity,
+                   **({"max_batch": config.max_batch} if config.max_batch else {})},  # KV rows the runtime allocates
+        lowered_from=str(src))
+    if config.quant:
+        lowered["precision"] = f"{manifest.precision}+w4a16"  # the name before the -rtn preset
+    engine_dir.write_manifest(tmp, lowered)
+
+
+def _run_passes(config: BuildConfig, pass_steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
+    from enginesmith.passes import calibration_set, run_pipeline  # deferred: imports onnx, onnxruntime
+    from enginesmith.passes.machinery.registry import calibrated_steps  # deferred: imports onnx
 
     calibration = None
-    if calibrated_steps(steps):
+    if calibrated_steps(pass_steps):
         calibration = calibration_set(tokenizer, config.calib_text, samples=config.calib_samples)
-    return run_pipeline(src, dst, steps, calibration=calibration, progress=progress)
+    return run_pipeline(src, dst, pass_steps, calibration=calibration, progress=progress)
 
 
-def _calibration_note(config: BuildConfig, steps: list) -> dict | None:
-    from enginesmith.passes.analysis.calibrate import DEFAULT_NOVEL
-    from enginesmith.passes.machinery.registry import calibrated_steps
+def _calibration_note(config: BuildConfig, pass_steps: list) -> dict | None:
+    from enginesmith.passes.analysis.calibrate import DEFAULT_NOVEL  # deferred: imports onnx
+    from enginesmith.passes.machinery.registry import calibrated_steps  # deferred: imports onnx
 
-    if not steps or not calibrated_steps(steps):
+    if not pass_steps or not calibrated_steps(pass_steps):
         return None
     return {"text": config.calib_text or f"austen:{DEFAULT_NOVEL}", "samples": config.calib_samples}
 
 
 def _export_settings(config: BuildConfig) -> tuple[str, int]:
     """dtype and opset of the export: a Jetson preset fixes both (its TensorRT parses only those)."""
-    if config.backend == "trt" and config.preset:
-        from enginesmith.build import jetson
-
+    if config.target == "trt" and config.preset:
         p = jetson.preset(config.preset)
         return p.dtype, p.opset
     return config.dtype, config.opset
 
 
 def _check_tensorrt(config: BuildConfig) -> str:
-    from enginesmith.build import trt as trt_build
+    from enginesmith.build import trt as trt_build  # deferred: trt_lint imports onnx
 
     return trt_build.check_ready(config.preset)
 
@@ -250,7 +388,7 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
     if config.kv_layout == "dense":
         return {"type": "dense", "capacity": max_positions}
     if config.kv_layout == "paged":
-        if config.page_size not in (16, 32, 64) and config.backend == "trt":
+        if config.page_size not in (16, 32, 64) and config.target == "trt":
             raise UserError(f"page size {config.page_size} is not one the PagedAttention plugin supports",
                             "use --page-size 16, 32 or 64")
         return {"type": "paged", "page_size": config.page_size, "capacity": max_positions}
@@ -263,8 +401,6 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
 
 
 def default_engine_path(config: BuildConfig) -> Path:
-    from enginesmith.models import load as models
-
     source = models.resolve(config.model)
     return cache_dir() / "engines" / config.key(source.sha256)
 
@@ -297,67 +433,19 @@ def _cached_usable(path: Path, notice: bool) -> bool:
         return False
 
 
-GQA_IO = "gqa-shared-buffer"
-
-
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
                    block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
                    progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False,
                    max_batch: int | None = None) -> Path:
-    """From an engine built by `build`, an engine for runtime.ort_cuda.GqaEngine (ORT CUDA's fast
-    decode path): GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
-    (skip_rmsnorm), with quant="w4a16" int4 weights as MatMulNBits (the lm_head too with
-    quantize_lm_head, after untie_lm_head gives a tied one its own matrix), and the remaining fp16
-    MatMuls as FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the
-    embedding table instead of a transposed copy ORT would fold at load). build.json records the
-    passes and kv_layout.io = "gqa-shared-buffer" (open it with runtime.ort_cuda.open_gqa_engine).
-    custom_ops: the decode GEMVs as enginesmith's ORT custom ops (passes/ort_gemv.py; the engine then
-    needs libenginesmith_ort_ops.so at run time). None: when that library is built; True: required.
-    custom_attention (with the ops): the attention too (passes/ort_attention.py): faster decode steps at
-    short contexts, but prompts run 2-13x slower than ORT's flash attention (plugins/README.md).
-    max_batch: recorded as kv_layout.max_batch, the KV rows the CLI opens the engine with."""
-    import shutil
-
-    import enginesmith.passes.lower.lower_gqa  # noqa: F401  (registers the passes)
-    import enginesmith.passes.fusion.matmul_transb  # noqa: F401
-    import enginesmith.passes.lower.ort_attention  # noqa: F401
-    import enginesmith.passes.lower.ort_gemv  # noqa: F401
-    import enginesmith.passes.fusion.skip_rmsnorm  # noqa: F401
-    import enginesmith.passes.fusion.untie_lm_head  # noqa: F401
-    from enginesmith.passes import parse_pipeline, run_pipeline
-
-    src, out = Path(src), Path(out)
-    manifest = engine_dir.verify(src, onnx_graph=True)
-    if manifest.kv_layout.io == GQA_IO:
-        raise UserError(f"{src} is already lowered for CUDA", "lower the engine it was built from")
-    capacity = capacity or manifest.model.max_positions
-    steps = f"lower_gqa:capacity={capacity},skip_rmsnorm"
-    if quant == "w4a16":
-        lm_head = ",untie_lm_head" if quantize_lm_head else ""
-        steps += f"{lm_head},quantize_w4a16:block_size={block_size}:include_lm_head={quantize_lm_head},lower_ort"
-    elif quant:
+    """The ort-cuda lowering of an engine `src` already built (tests and benchmarks lower fp32 ones
+    too, for the CPU EP): the steps of BuildConfig(target="ort-cuda", ...) into `out`. quant: "w4a16"
+    (= w4a16-rtn) or None. Open the result with runtime.ort_cuda.open_gqa_engine."""
+    if quant not in (None, "w4a16"):
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
-    steps += ",matmul_transb"  # remaining fp16 MatMuls on [N, K] weights: a tied lm_head needs no copy
-    from enginesmith.plugins import ort_ops
-
-    if custom_ops:
-        ort_ops.require()
-    if custom_ops or (custom_ops is None and ort_ops.available()):
-        steps += ",ort_gemv" + (",ort_attention" if custom_attention else "")
-    with engine_dir.write_atomically(out, overwrite=force) as tmp:
-        # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
-        report = run_pipeline(src / manifest.graph, tmp / "model.onnx", steps, progress=progress,
-                              verify_exact=manifest.precision == "fp32")
-        shutil.copytree(src / "tokenizer", tmp / "tokenizer")
-        lowered = {k: v for k, v in manifest.raw.items() if k not in ("files", "created", "format_version")}
-        lowered.update(
-            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
-            passes=list(manifest.passes) + [step.spec() for step in parse_pipeline(steps)],
-            pass_counts={e["name"]: e["counts"] for e in report},
-            kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity,
-                       **({"max_batch": max_batch} if max_batch else {})},  # KV rows the runtime allocates
-            lowered_from=str(src))
-        if quant:
-            lowered["precision"] = f"{manifest.precision}+{quant}"
-        engine_dir.write_manifest(tmp, lowered)
-    return out
+    # dtype only picks an export, and there is none here: the lowered precision is the source's
+    config = BuildConfig(target="ort-cuda", dtype="fp16", capacity=capacity, quant=quant and "w4a16-rtn",
+                         block_size=block_size, quantize_lm_head=quantize_lm_head, max_batch=max_batch,
+                         custom_ops=custom_ops, custom_attention=custom_attention)
+    with engine_dir.write_atomically(Path(out), overwrite=force) as tmp:
+        _lower(Path(src), tmp, config, progress)
+    return Path(out)

@@ -25,8 +25,9 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from enginesmith.build import trt_ops
+from enginesmith.build.trt_plan import TrtBuildConfig
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.trt_engine import TrtBuildConfig
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,6 @@ class JetsonPreset:
 
     def with_tensorrt(self, version: str) -> "JetsonPreset":
         """The preset for a newer TensorRT on the same device (e.g. 11.4 on JetPack 7.2.2)."""
-        from enginesmith.build import trt_ops
-
         v = trt_ops.parse_target(version)
         # Opset 23+ exports fuse RMSNormalization/RotaryEmbedding, imported only from 10.15.
         opset = trt_ops.opset_ceiling(v)[0] if v >= (10, 15) else min(trt_ops.opset_ceiling(v)[0], 22)

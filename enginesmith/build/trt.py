@@ -2,8 +2,11 @@
 
     args/preset -> TrtBuildConfig        trt_config(...)            (validated before any export)
     fail fast                            check_ready(preset)        (TensorRT + GPU + right Jetson)
-    export as usual (preset opset/dtype) ... build.py ...
+    export as usual (preset opset/dtype) ... engine.py ...
     model.onnx -> trt-lint -> plan       build_tensorrt(tmp_dir, config, target)  -> build.json "backend"
+
+The builder itself (TrtBuildConfig, profiles, build_plan) is trt_plan.py: jetson.py's presets hold a
+TrtBuildConfig and this module reads the presets, so the config cannot live here without a cycle.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from enginesmith.build import jetson, trt_lint
+from enginesmith.build.trt_plan import TrtBuildConfig, build_plan
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.trt_engine import TrtBuildConfig, build_plan, current_sm, require_tensorrt
+from enginesmith.core.tensorrt import current_sm, require_tensorrt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

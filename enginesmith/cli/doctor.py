@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import platform
 import re
 import shutil
@@ -55,7 +56,7 @@ def _torch():
 
 
 def check_enginesmith() -> Check:
-    where = Path(__file__).resolve().parent
+    where = Path(__file__).resolve().parents[1]  # the enginesmith package (this file is enginesmith/cli/doctor.py)
     return Check("enginesmith", OK, f"{__version__} (Python {platform.python_version()}, {where})",
                  details={"version": __version__, "python": sys.executable, "package": str(where)})
 
@@ -262,3 +263,16 @@ def format_text(found: list[Check]) -> str:
 def as_json(found: list[Check]) -> dict:
     return {"checks": [asdict(c) for c in found],
             "problems": sum(c.status in (ERROR, WARN) for c in found)}
+
+
+def add_parser(verbs) -> None:
+    p = verbs.add_parser("doctor", help="what this machine has for enginesmith (GPU, ONNX Runtime, CUDA ops, "
+                                        "TensorRT, compilers), with the fix for each missing piece")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args) -> int:
+    found = checks()
+    print(json.dumps(as_json(found)) if args.json else format_text(found))
+    return 0  # doctor reports; a missing piece is a line with its fix, not a failure

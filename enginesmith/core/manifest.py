@@ -21,6 +21,7 @@ from pathlib import PurePosixPath
 from typing import Any, Callable, Mapping
 
 from enginesmith.core.errors import EngineError
+from enginesmith.core.io_names import GQA_IO
 
 FORMAT_VERSION = 2
 MAX_FILES = 4096          # an engine holds a graph, its data, a tokenizer, maybe a plan and plugins
@@ -239,7 +240,7 @@ def _model(data: _Fields) -> ModelInfo:
 def _kv_layout(data: _Fields) -> KVLayout:
     kv = data.obj("kv_layout")
     kind = kv.get("type", lambda v: v in KV_TYPES, f"one of {', '.join(KV_TYPES)}", "dense")
-    io = kv.get("io", lambda v: v == "gqa-shared-buffer", "'gqa-shared-buffer' or absent")
+    io = kv.get("io", lambda v: v == GQA_IO, f"{GQA_IO!r} or absent")
     layout = KVLayout(type=kind, capacity=kv.integer("capacity", 1), sinks=kv.integer("sinks", 0),
                       window=kv.integer("window", 1), page_size=kv.integer("page_size", 1), io=io,
                       max_batch=kv.integer("max_batch", 1))

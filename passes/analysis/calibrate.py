@@ -24,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.paths import cache_dir
+from enginesmith.models.corpus import load_text, tokenize
 
 DEFAULT_NOVEL = "emma"
 DEFAULT_SAMPLES = 32
@@ -74,9 +76,6 @@ def from_tokens(tokens, name: str, samples: int = DEFAULT_SAMPLES,
 def calibration_set(tokenizer, text_path: str | os.PathLike | None = None, novel: str = DEFAULT_NOVEL,
                     samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN) -> CalibrationSet:
     """Tokenize a text file (or the Austen novel `novel`) into a CalibrationSet."""
-    from enginesmith.models.corpus import load_text
-    from enginesmith.models.corpus import tokenize
-
     text = load_text(text_path, novel=novel)
     if text_path is None:
         name = f"austen:{novel}"
@@ -170,7 +169,7 @@ def _empty_cache_feeds(session) -> dict[str, np.ndarray]:
     """Empty past KV tensors [1, Hkv, 0, D] for every past input of an exported graph."""
     feeds = {}
     for inp in session.get_inputs():
-        if inp.name.startswith("past_key_values."):
+        if io_names.is_past(inp.name):
             dtype = np.float16 if "float16" in inp.type else np.float32
             feeds[inp.name] = np.zeros((1, int(inp.shape[1]), 0, int(inp.shape[3])), dtype)
     return feeds

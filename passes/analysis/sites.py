@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from enginesmith.passes.machinery import match
-from enginesmith.passes.analysis.linears import Linear
+from enginesmith.passes.analysis.linears import Linear, find_linears, select
 from enginesmith.passes.machinery.match import Match, Rejection, Rule
 
 
@@ -270,8 +270,6 @@ def plan(model: ir.Model, include_lm_head: bool, through_v: bool, through_up: bo
          ) -> tuple[list[Site], list[Rejection]]:
     """The sites a smoothing pass (SmoothQuant, AWQ) will scale, and every chosen linear it will
     not, with the reason (kinds switched off by the pass's parameters included)."""
-    from enginesmith.passes.analysis.linears import find_linears, select
-
     linears, _ = find_linears(model)
     chosen, skipped = select(linears, include_lm_head)
     sites, why = find_sites(model, linears, chosen)

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.machinery.edit import Namer, add_initializer, drop_unused_initializers, replace_value
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
-
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.match import Match, Rule
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
-
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)

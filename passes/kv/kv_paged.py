@@ -13,8 +13,8 @@ the graph. Two steps, one module each:
                   cuda: com.microsoft.PagedAttention, trt: the TensorRT plugin node
 
 Exactness: with `lower=cpu` the pass is exact, and the pass manager compares the paged graph with
-the dense graph before it (verify.compare drives it through paged_verify: the runtime's paged cache
-over a prefill and decode steps, batch 2) and stops the pipeline on a mismatch. The other lowerings
+the dense graph before it (verify.compare drives it through paged_verify: the paged layout's feeds from
+core/kv_layout.py over a prefill and decode steps, batch 2) and stops the pipeline on a mismatch. The other lowerings
 do not run on ONNX Runtime's CPU EP, so they are not compared (nor is `verify=false`).
 """
 

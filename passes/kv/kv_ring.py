@@ -41,19 +41,20 @@ positions and is refused. The pass is exact before any eviction (tested against 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
+from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
+from enginesmith.passes.fusion.fuse_attention import ensure_opset, remove_dead_nodes
+from enginesmith.passes.kv.dense_attention import dense_kv_rules, layer_index
+from enginesmith.passes.kv.ring_rope import RopeCloner, rotary_for_cache
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node
-from enginesmith.passes.fusion.fuse_attention import dense_kv_reason, ensure_opset, remove_dead_nodes
-from enginesmith.passes.machinery.match import Match, Rule, gqa_repeat
+from enginesmith.passes.machinery.match import Match
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
-from enginesmith.passes.kv.ring_rope import RopeCloner, rotary_for_cache
 
 RING_OPSET = 24  # TensorScatter
 METADATA_KEY = "enginesmith.kv_layout"
@@ -77,34 +78,8 @@ class KVRingParams:
         return self.sinks + self.window
 
 
-class DenseKVAttention(Rule):
-    """Root: the Attention of one layer whose K/V come from Concat(past, new) [+ GQA repeat]."""
-
-    def __init__(self, gqa: bool):
-        self.gqa = gqa
-        self.name = "dense_kv_attention" + ("+gqa" if gqa else "")
-
-    def pattern(self, op, q, past_k, k_new, past_v, v_new):
-        k_rot = op.RotaryEmbedding(k_new, _allow_other_inputs=True, _allow_other_attributes=True,
-                                   _outputs=["k_rot"])
-        k = op.Concat(past_k, k_rot, _allow_other_attributes=True, _outputs=["present_k"])
-        v = op.Concat(past_v, v_new, _allow_other_attributes=True, _outputs=["present_v"])
-        if self.gqa:
-            k, v = gqa_repeat(op, k), gqa_repeat(op, v)
-        return op.Attention(q, k, v, _allow_other_inputs=True, _allow_other_attributes=True)
-
-    def check(self, m: Match) -> str | None:
-        reason = dense_kv_reason(m, self.gqa)
-        if reason:
-            return reason
-        if match.attr(m.root, "is_causal", 0):
-            return "Attention uses is_causal (its mask is not the exported one)"
-        if len(m["k_rot"].uses()) != 1:
-            return "the rotated new keys are used outside the cache"
-        return None
-
-
-RULES = [DenseKVAttention(True), DenseKVAttention(False)]
+RULES = dense_kv_rules(rotary_keys=True, plain_softmax=("is_causal",),
+                       why_plain="its mask is not the exported one")
 
 
 @dataclass
@@ -133,15 +108,15 @@ def _new_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list, afte
 
 
 def _shared_inputs(graph: ir.Graph, namer: Namer, params: KVRingParams, batch) -> _Inputs:
-    mask_in = _graph_input(graph, "attention_mask")
-    positions = _graph_input(graph, "position_ids")
+    mask_in = _graph_input(graph, io_names.ATTENTION_MASK)
+    positions = _graph_input(graph, io_names.POSITION_IDS)
     c = params.capacity
     mask_in.shape = ir.Shape([batch, c])
-    cache_positions = _new_input(graph, "cache_positions", ir.DataType.INT64, [batch, c], positions)
-    write_indices = _new_input(graph, "write_indices", ir.DataType.INT64, [batch], cache_positions)
+    cache_positions = _new_input(graph, io_names.CACHE_POSITIONS, ir.DataType.INT64, [batch, c], positions)
+    write_indices = _new_input(graph, io_names.WRITE_INDICES, ir.DataType.INT64, [batch], cache_positions)
     sink_sources = None
     if params.sinks:
-        sink_sources = _new_input(graph, "sink_sources", ir.DataType.INT64, [batch, params.sinks],
+        sink_sources = _new_input(graph, io_names.SINK_SOURCES, ir.DataType.INT64, [batch, params.sinks],
                                   write_indices)
 
     def const(name, array):
@@ -167,11 +142,6 @@ def _shared_inputs(graph: ir.Graph, namer: Namer, params: KVRingParams, batch) -
     return _Inputs(mask, cache_positions, write_indices, sink_sources, sink_write, sink_index)
 
 
-def _layer_index(name: str, fallback: int) -> int:
-    found = re.fullmatch(r"past_key_values\.(\d+)\.(key|value)", name or "")
-    return int(found.group(1)) if found else fallback
-
-
 def _ring_one(graph: ir.Graph, namer: Namer, shared: _Inputs, params: KVRingParams, m: Match,
               layer: int, cloner: RopeCloner, expanded_index: dict) -> None:
     """Rewrite one matched layer (see the module doc)."""
@@ -188,11 +158,11 @@ def _ring_one(graph: ir.Graph, namer: Namer, shared: _Inputs, params: KVRingPara
                           base=f"ring_window_{kind}_{layer}")
         index = graph.outputs.index(present)
         present.name = namer(f"{present.name}_dense")
-        window.name = f"present.{layer}.{kind}"
+        window.name = io_names.present_name(layer, kind)
         graph.outputs[index] = window
         cache = window
         if params.sinks:
-            sinks_in = ir.Value(name=f"past_sinks.{layer}.{kind}", type=past.type,
+            sinks_in = ir.Value(name=io_names.past_sinks_name(layer, kind), type=past.type,
                                 shape=ir.Shape([batch, heads, params.sinks, dim]))
             graph.inputs.append(sinks_in)
             key = (heads, dim)
@@ -204,7 +174,7 @@ def _ring_one(graph: ir.Graph, namer: Namer, shared: _Inputs, params: KVRingPara
                                 like=past, shape=sinks_in.shape)
             sinks = add_node(graph, namer, "Where", [shared.sink_write, gathered, sinks_in], like=past,
                              shape=sinks_in.shape, base=f"ring_sinks_{kind}_{layer}")
-            sinks.name = f"present_sinks.{layer}.{kind}"
+            sinks.name = io_names.present_sinks_name(layer, kind)
             graph.outputs.append(sinks)
             cache = add_node(graph, namer, "Concat", [sinks, window], {"axis": 2}, like=past,
                              shape=ir.Shape([batch, heads, params.capacity, dim]))
@@ -222,7 +192,7 @@ def _ring_one(graph: ir.Graph, namer: Namer, shared: _Inputs, params: KVRingPara
 def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
     """A ring layout must cover every layer: explain what stops it."""
     attention = [n for n in model.graph if n.op_type == "Attention"]
-    if "write_indices" in {v.name for v in model.graph.inputs}:
+    if io_names.WRITE_INDICES in {v.name for v in model.graph.inputs}:
         raise UserError("the graph already has a ring KV layout", "apply kv_ring to a dense graph")
     if not attention:
         raise UserError("the graph has no Attention op for kv_ring to rewrite",
@@ -243,14 +213,13 @@ def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
 
 def _check_inputs_consumed(model: ir.Model) -> None:
     """After the rewrite, the dense inputs must feed only the ring's own nodes."""
-    allowed = {"attention_mask": {"Cast"}, "position_ids": None}
     for value in model.graph.inputs:
-        if value.name == "attention_mask":
+        if value.name == io_names.ATTENTION_MASK:
             users = {u.node.op_type for u in value.uses()}
-            if not users <= allowed["attention_mask"]:
+            if not users <= {"Cast"}:
                 raise UserError(f"attention_mask is still used by {sorted(users)} after the ring "
                                 "rewrite", "use the dense KV layout for this graph")
-        if value.name.startswith("past_key_values."):
+        if io_names.is_past(value.name):
             # The exporter takes the batch size from a past input's shape: that dim is unchanged.
             users = {u.node.op_type for u in value.uses()
                      if not (u.node.op_type == "Shape" and _shape_skips_sequence(u.node))}
@@ -277,10 +246,10 @@ def kv_ring(model: ir.Model, params: KVRingParams | None = None, ctx: PassContex
     namer = Namer(graph)
     batch = found[0]["past_k"].shape[0]
     shared = _shared_inputs(graph, namer, params, batch)
-    cloner = RopeCloner(graph, namer, _graph_input(graph, "position_ids"), shared.cache_positions, "cache")
+    cloner = RopeCloner(graph, namer, _graph_input(graph, io_names.POSITION_IDS), shared.cache_positions, "cache")
     expanded: dict = {}
     for i, m in enumerate(found):  # collect the matches first, then change the graph
-        _ring_one(graph, namer, shared, params, m, _layer_index(m["past_k"].name, i), cloner, expanded)
+        _ring_one(graph, namer, shared, params, m, layer_index(m, i), cloner, expanded)
     remove_dead_nodes(model)
     graph.sort()
     _check_inputs_consumed(model)

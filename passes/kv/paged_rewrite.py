@@ -28,69 +28,37 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import onnx_ir as ir
 
+from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
+from enginesmith.core.io_names import GRAPH_DOMAIN as DOMAIN
+from enginesmith.passes.fusion.fuse_attention import ensure_opset, remove_dead_nodes
+from enginesmith.passes.kv.dense_attention import dense_kv_rules, layer_index
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Emit, Namer
-from enginesmith.passes.fusion.fuse_attention import dense_kv_reason, ensure_opset, remove_dead_nodes
-from enginesmith.passes.machinery.match import Match, Rule, gqa_repeat
+from enginesmith.passes.machinery.match import Match
 
-DOMAIN = "enginesmith"
 METADATA_KEY = "enginesmith.kv_layout"
 PERM = [0, 2, 1, 3]  # [B, heads, S, D] <-> [B, S, heads, D]
 
 
-class DenseKVAttention(Rule):
-    """Root: a layer's Attention whose K/V are Concat(past input, new) [+ GQA repeat]."""
-
-    def __init__(self, gqa: bool):
-        self.gqa = gqa
-        self.name = "dense_kv_attention" + ("+gqa" if gqa else "")
-
-    def pattern(self, op, q, past_k, k_new, past_v, v_new):
-        k = op.Concat(past_k, k_new, _allow_other_attributes=True, _outputs=["present_k"])
-        v = op.Concat(past_v, v_new, _allow_other_attributes=True, _outputs=["present_v"])
-        if self.gqa:
-            k, v = gqa_repeat(op, k), gqa_repeat(op, v)
-        return op.Attention(q, k, v, _allow_other_inputs=True, _allow_other_attributes=True)
-
-    def check(self, m: Match) -> str | None:
-        att = m.root
-        reason = dense_kv_reason(m, self.gqa)
-        if reason:
-            return reason
-        q = m["q"]
-        if q.shape is None or len(q.shape) != 4 or not isinstance(q.shape[1], int):
-            return "query has no static [B, H, S, D] shape"
-        if q.shape[1] % m["past_k"].shape[1]:
-            return f"{q.shape[1]} query heads are not a multiple of {m['past_k'].shape[1]} KV heads"
-        for name, default in (("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0)):
-            if match.attr(att, name, default) != default:
-                return f"Attention has {name}={match.attr(att, name)} (the paged op supports plain softmax)"
-        return None
-
-
-RULES = [DenseKVAttention(True), DenseKVAttention(False)]
+RULES = dense_kv_rules(plain_softmax=("is_causal", "softcap", "qk_matmul_output_mode"), static_heads=True,
+                       why_plain="the paged op supports plain softmax")
 
 
 def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((v for v in graph.inputs if v.name == name), None)
 
 
-def _layer_index(name: str, fallback: int) -> int:
-    found = re.fullmatch(r"past_key_values\.(\d+)\.(key|value)", name or "")
-    return int(found.group(1)) if found else fallback
-
-
 def _metadata_inputs(graph: ir.Graph, batch) -> tuple[ir.Value, ir.Value, ir.Value]:
-    seq = _graph_input(graph, "input_ids").shape[1]
-    after = list(graph.inputs).index(_graph_input(graph, "position_ids"))
+    seq = _graph_input(graph, io_names.INPUT_IDS).shape[1]
+    after = list(graph.inputs).index(_graph_input(graph, io_names.POSITION_IDS))
     made = []
-    for i, (name, shape) in enumerate((("block_tables", [batch, "max_blocks"]), ("context_lens", [batch]),
-                                       ("slot_mapping", [batch, seq]))):
+    for i, (name, shape) in enumerate(((io_names.BLOCK_TABLES, [batch, "max_blocks"]),
+                                       (io_names.CONTEXT_LENS, [batch]),
+                                       (io_names.SLOT_MAPPING, [batch, seq]))):
         value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape(shape))
         graph.inputs.insert(after + 1 + i, value)
         made.append(value)
@@ -125,7 +93,7 @@ def _paged_one(graph: ir.Graph, namer: Namer, m: Match, layer: int, page_size: i
     for present, value, kind in ((m["present_k"], k_out, "key"), (m["present_v"], v_out, "value")):
         index = graph.outputs.index(present)
         present.name = namer(f"{present.name}_dense")
-        value.name = f"present.{layer}.{kind}"
+        value.name = io_names.present_name(layer, kind)
         graph.outputs[index] = value
 
 
@@ -151,11 +119,11 @@ def _fix_shape_readers(graph: ir.Graph, pools: list[ir.Value], input_ids: ir.Val
 
 def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
     graph = model.graph
-    if _graph_input(graph, "block_tables") is not None:
+    if _graph_input(graph, io_names.BLOCK_TABLES) is not None:
         raise UserError("the graph already has a paged KV layout", "apply kv_paged to a dense graph")
-    if _graph_input(graph, "write_indices") is not None:
+    if _graph_input(graph, io_names.WRITE_INDICES) is not None:
         raise UserError("the graph has a ring KV layout", "apply kv_paged to the dense graph instead")
-    for name in ("input_ids", "position_ids", "attention_mask"):
+    for name in (io_names.INPUT_IDS, io_names.POSITION_IDS, io_names.ATTENTION_MASK):
         if _graph_input(graph, name) is None:
             raise UserError(f"the graph has no input {name!r}", "export the model with the KV-cache signature")
     attention = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
@@ -177,14 +145,14 @@ def rewrite_paged(model: ir.Model, page_size: int) -> dict[str, int]:
     _refuse(model, found, rejected)
     graph = model.graph
     namer = Namer(graph)
-    meta = _metadata_inputs(graph, _graph_input(graph, "input_ids").shape[0])
+    meta = _metadata_inputs(graph, _graph_input(graph, io_names.INPUT_IDS).shape[0])
     pools = []
     for i, m in enumerate(found):  # collect the matches first, then change the graph
-        _paged_one(graph, namer, m, _layer_index(m["past_k"].name, i), page_size, meta)
+        _paged_one(graph, namer, m, layer_index(m, i), page_size, meta)
         pools += [m["past_k"], m["past_v"]]
     remove_dead_nodes(model)
-    _fix_shape_readers(graph, pools, _graph_input(graph, "input_ids"))
-    mask = _graph_input(graph, "attention_mask")
+    _fix_shape_readers(graph, pools, _graph_input(graph, io_names.INPUT_IDS))
+    mask = _graph_input(graph, io_names.ATTENTION_MASK)
     if mask.uses():
         users = sorted({u.node.op_type for u in mask.uses()})
         raise UserError(f"attention_mask is still used by {users} after the paged rewrite",

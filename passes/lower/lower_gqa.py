@@ -33,15 +33,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern as _p
 
 from enginesmith.core.errors import UserError
+from enginesmith.core import io_names
+from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Namer, add_initializer
-from enginesmith.passes.machinery.match import Match, Rule, gqa_repeat
+from enginesmith.passes.machinery.edit import Namer, add_initializer, drop_unused_initializers
+from enginesmith.passes.machinery.match import Match, Rejection, Rule, gqa_repeat
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
-MS_DOMAIN = "com.microsoft"
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 CAPACITY_KEY = "enginesmith.kv_capacity"
 
@@ -131,7 +133,7 @@ class KVCacheAttention(Rule):
             if reason:
                 return reason
         for cos in ("cos_q", "sin_q", "cos_k", "sin_k"):
-            if _position_inputs(m[cos]) != {"position_ids"}:
+            if _position_inputs(m[cos]) != {io_names.POSITION_IDS}:
                 return f"{cos} is not computed from position_ids and constants alone"
         return None
 
@@ -212,7 +214,7 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
     dummies = {name: a.reshape((1,) + a.shape[1:]) if a.ndim else a for name, a in dummies.items()}
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in nodes], "rotary_table",
-        [onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, capacity])] +
+        [onnx.helper.make_tensor_value_info(io_names.POSITION_IDS, onnx.TensorProto.INT64, [1, capacity])] +
         [onnx.helper.make_tensor_value_info(name, int(shaped[name].dtype), list(a.shape))
          for name, a in dummies.items()],
         [onnx.helper.make_value_info(value.name, onnx.TypeProto())],
@@ -226,7 +228,7 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     session = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    out = session.run(None, {"position_ids": np.arange(capacity, dtype=np.int64)[None], **dummies})[0]
+    out = session.run(None, {io_names.POSITION_IDS: np.arange(capacity, dtype=np.int64)[None], **dummies})[0]
     return out.reshape(capacity, -1)
 
 
@@ -314,7 +316,7 @@ def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, 
 
 def _new_inputs(graph: ir.Graph) -> dict:
     feeds = {}
-    batch = next((v.shape[0] for v in graph.inputs if v.name == "input_ids" and v.shape), "batch")
+    batch = next((v.shape[0] for v in graph.inputs if v.name == io_names.INPUT_IDS and v.shape), "batch")
     for name, dtype, shape in ((SEQLENS, ir.DataType.INT32, [batch]), (TOTAL, ir.DataType.INT32, [])):
         value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
         graph.inputs.append(value)
@@ -329,11 +331,6 @@ RULES = [KVCacheAttention()]
 def lower_gqa(model: ir.Model, params: LowerGqaParams, ctx: PassContext | None = None) -> PassResult:
     """Attention + concatenated KV cache -> com.microsoft.GroupQueryAttention on shared KV buffers
     (packed QKV, rotary inside the op). Changes the graph's inputs; see the module doc."""
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
-
-    from enginesmith.passes.machinery.edit import drop_unused_initializers
-    from enginesmith.passes.machinery.match import Rejection
-
     found, rejected = match.find_all(model, RULES)
     attention_nodes = sum(1 for n in model.graph if n.op_type == "Attention")
     if not attention_nodes:
@@ -358,7 +355,7 @@ def lower_gqa(model: ir.Model, params: LowerGqaParams, ctx: PassContext | None =
                         f"({'; '.join(sorted({r.reason for r in rejected})) or 'no match'})",
                         "build this model without the GQA lowering (plain ORT engine)")
     RemoveUnusedNodesPass()(model)
-    for name in ("attention_mask", "position_ids"):
+    for name in (io_names.ATTENTION_MASK, io_names.POSITION_IDS):
         value = next((v for v in model.graph.inputs if v.name == name), None)
         if value is not None and not value.uses():
             model.graph.inputs.remove(value)

@@ -26,13 +26,12 @@ import numpy as np
 import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Namer, add_initializer
 from enginesmith.passes.lower.lower_ort_int8 import lower_tied_int8
 from enginesmith.passes.machinery.match import Match, Rule
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
-
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node
 from enginesmith.passes.machinery.match import Match, Rejection, Rule
-
-MS_DOMAIN = "com.microsoft"
 
 
 def block_for(k: int) -> int | None:

@@ -10,7 +10,8 @@ runs five (rotary + cache append, sequence lengths, a fill, the attention, its s
 
 Same inputs (less the unused key/value), outputs and semantics: packed QKV, half-split rotary, causal
 attention over past + new tokens, the new K/V written into the present buffer. Applies to fp16, head
-size 64 or 128, at most 16 query heads per KV head, without softcap, local window or smooth softmax.
+size 64 or 128, at most 16 query heads per KV head, without softcap, local window or smooth softmax;
+any other GroupQueryAttention is left to ORT and reported with the reason (PassResult.skipped).
 Not exact: sums in another order (fp32), checked with a tolerance. The graph then needs the library at
 run time (plugins/ort_ops.py registers it).
 """
@@ -22,13 +23,19 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from enginesmith.core.io_names import MS_DOMAIN, ORT_OPS_DOMAIN as DOMAIN
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Namer, replace_value, to_attrs
-from enginesmith.passes.lower.ort_gemv import DOMAIN, MS_DOMAIN
+from enginesmith.passes.machinery.match import Match, Rule
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
 HEAD_SIZES = (64, 128)
 MAX_GROUP = 16  # query heads per KV head a block holds
+# The ORT op's inputs, in order; the custom op takes all but key and value.
+GQA_INPUTS = ("qkv", "key", "value", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
+KEPT = ("qkv", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
+# Attributes whose non-default values the kernel does not implement.
+UNSUPPORTED = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0}
 
 
 @dataclass(frozen=True)
@@ -36,50 +43,71 @@ class OrtAttentionParams:
     pass
 
 
-def _inputs(node: ir.Node) -> tuple[list[ir.Value], dict] | None:
-    """(inputs, attributes) of the custom op that replaces `node`, or None if it does not apply."""
-    if node.domain != MS_DOMAIN or node.op_type != "GroupQueryAttention":
+class PackedRotaryGQA(Rule):
+    """Root: a com.microsoft.GroupQueryAttention on packed QKV with half-split rotary and a KV cache."""
+
+    name = "gqa->es_gqa"
+
+    def pattern(self, op, qkv):
+        return op.GroupQueryAttention(qkv, _domain=MS_DOMAIN, _allow_other_inputs=True,
+                                      _allow_other_attributes=True)
+
+    def check(self, m: Match) -> str | None:
+        node = m.root
+        ins = dict(zip(GQA_INPUTS, list(node.inputs) + [None] * (len(GQA_INPUTS) - len(node.inputs))))
+        if len(node.inputs) > len(GQA_INPUTS):
+            return f"{len(node.inputs)} inputs (position ids, attention bias, ...) the kernel does not take"
+        if ins["key"] is not None or ins["value"] is not None:
+            return "Q, K and V are separate inputs (the kernel reads packed QKV)"
+        missing = [k for k in KEPT if ins[k] is None]
+        if missing:
+            return f"has no {', '.join(missing)}"
+        if (match.attr(node, "do_rotary", 0), match.attr(node, "rotary_interleaved", 0)) != (1, 0):
+            return "no fused rotary, or interleaved rotary (the kernel applies half-split rotary)"
+        for name, default in UNSUPPORTED.items():
+            if match.attr(node, name, default) != default:
+                return f"{name}={match.attr(node, name)} is not supported"
+        qkv, cos = ins["qkv"], match.constant(ins["cos"])
+        if qkv.type is None or qkv.dtype != ir.DataType.FLOAT16:
+            return "QKV is not fp16"
+        if cos is None or len(cos.shape) != 2:
+            return "the cos cache is not a constant [positions, D / 2] table"
+        heads, kv_heads = match.attr(node, "num_heads"), match.attr(node, "kv_num_heads")
+        if not heads or not kv_heads or heads % kv_heads:
+            return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
+        if heads // kv_heads > MAX_GROUP:
+            return f"{heads // kv_heads} query heads per KV head, over {MAX_GROUP}"
+        if 2 * cos.shape[1] not in HEAD_SIZES:
+            return f"head size {2 * cos.shape[1]} is not one of {HEAD_SIZES}"
         return None
-    ins = list(node.inputs) + [None] * (9 - len(node.inputs))
-    if len(node.inputs) > 9 or ins[1] is not None or ins[2] is not None or any(ins[i] is None for i in (0, 3, 4, 5, 6, 7, 8)):
-        return None
-    if (match.attr(node, "do_rotary", 0), match.attr(node, "rotary_interleaved", 0)) != (1, 0) or \
-            match.attr(node, "local_window_size", -1) != -1 or match.attr(node, "softcap", 0.0) or \
-            match.attr(node, "smooth_softmax", 0) or match.attr(node, "qk_output", 0):
-        return None
-    qkv, cos = ins[0], match.constant(ins[7])
-    if qkv.type is None or qkv.dtype != ir.DataType.FLOAT16 or cos is None or len(cos.shape) != 2:
-        return None
-    heads, kv_heads, head_size = match.attr(node, "num_heads"), match.attr(node, "kv_num_heads"), 2 * cos.shape[1]
-    if not heads or not kv_heads or heads % kv_heads or heads // kv_heads > MAX_GROUP or head_size not in HEAD_SIZES:
-        return None
+
+
+def _rewrite(graph: ir.Graph, namer: Namer, m: Match) -> None:
+    node = m.root
+    ins = dict(zip(GQA_INPUTS, node.inputs))
+    head_size = 2 * match.constant(ins["cos"]).shape[1]
     scale = match.attr(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
-    return [ins[0], ins[3], ins[4], ins[5], ins[6], ins[7], ins[8]], \
-        {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(scale)}
+    attrs = {"num_heads": match.attr(node, "num_heads"), "kv_num_heads": match.attr(node, "kv_num_heads"),
+             "scale": float(scale)}
+    new = ir.Node(DOMAIN, "GroupQueryAttention", [ins[k] for k in KEPT], to_attrs(attrs), num_outputs=3,
+                  name=namer(f"{node.name or 'gqa'}_es"))
+    graph.insert_before(node, new)
+    for old, value in zip(node.outputs, new.outputs):
+        replace_value(graph, old, value, namer(f"{old.name}_es"))
+    graph.remove(node, safe=True)
 
 
 @register("ort_attention", OrtAttentionParams, exact=False)
 def ort_attention(model: ir.Model, params: OrtAttentionParams | None = None,
                   ctx: PassContext | None = None) -> PassResult:
     """com.microsoft.GroupQueryAttention (rotary, packed QKV) -> com.enginesmith.GroupQueryAttention."""
-    graph = model.graph
-    namer = Namer(graph)
-    count = 0
-    for node in list(graph):
-        found = _inputs(node)
-        if found is None:
-            continue
-        inputs, attrs = found
-        new = ir.Node(DOMAIN, "GroupQueryAttention", inputs, to_attrs(attrs), num_outputs=3,
-                      name=namer(f"{node.name or 'gqa'}_es"))
-        graph.insert_before(node, new)
-        for old, value in zip(node.outputs, new.outputs):
-            replace_value(graph, old, value, namer(f"{old.name}_es"))
-        graph.remove(node, safe=True)
-        count += 1
-    if count:
+    found, rejected = match.find(model, PackedRotaryGQA())
+    namer = Namer(model.graph)
+    for m in found:  # collect the matches first, then change the graph
+        _rewrite(model.graph, namer, m)
+    if found:
         model.opset_imports.setdefault(DOMAIN, 1)
-    return PassResult({"attention": count})
+    return PassResult({"attention": len(found)}, rejected)
 
 
-__all__ = ["OrtAttentionParams", "ort_attention"]
+__all__ = ["OrtAttentionParams", "PackedRotaryGQA", "ort_attention"]

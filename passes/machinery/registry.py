@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from enginesmith.core.errors import UserError
+from enginesmith.passes.analysis import calibrate
 from enginesmith.passes.machinery.match import Rejection
 
 # Modules of this package that only hold machinery, not passes (every other module is imported by
 # `passes()`, so a new pass module registers itself by being there).
-MACHINERY = {"calibrate", "edit", "fold", "linears", "match", "paged_lower", "paged_rewrite", "paged_verify",
-             "pipeline", "qmath", "registry", "ring_rope", "ring_verify", "sites", "verify"}
+MACHINERY = {"calibrate", "dense_attention", "edit", "fold", "linears", "match", "paged_lower", "paged_rewrite",
+             "paged_verify", "pipeline", "qmath", "registry", "ring_rope", "ring_verify", "sites", "verify"}
 
 
 @dataclass
@@ -49,8 +50,6 @@ class PassContext:
 
     def stats(self, names: list[str]) -> dict:
         """Activation statistics (calibrate.ActStats) of `names` in the graph at `model_path`."""
-        from enginesmith.passes.analysis import calibrate
-
         if self.calibration is None:
             raise UserError("this pipeline needs calibration data", "pass a calibration set")
         missing = [n for n in names if n not in self._stats]
@@ -92,7 +91,7 @@ def passes() -> dict[str, PassInfo]:
     """Every registered pass, after importing every pass module of this package."""
     import pkgutil
 
-    import enginesmith.passes as package
+    import enginesmith.passes as package  # deferred: the package imports this module (a cycle at import time)
 
     for info in pkgutil.walk_packages(package.__path__, prefix="enginesmith.passes."):
         leaf = info.name.rsplit(".", 1)[1]

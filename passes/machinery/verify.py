@@ -17,6 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from enginesmith.core import io_names
+from enginesmith.passes.kv import paged_verify, ring_verify
+from enginesmith.plugins import ort_ops
+
 
 class PassCheckError(RuntimeError):
     """A pass produced an invalid graph, or an exact pass changed the outputs (a bug, not user error)."""
@@ -51,8 +55,6 @@ def _session(path: Path):
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
-    from enginesmith.plugins import ort_ops
-
     ort_ops.register_for(opts, path)
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
@@ -60,9 +62,9 @@ def _session(path: Path):
 def _steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarray]:
     """Logits of a prefill of `ids` [B, S], then one decode step per column of `next_ids` [B, T]."""
     inputs = {i.name: i for i in session.get_inputs()}
-    past = [n for n in inputs if n.startswith("past_key_values.")]
+    past = [n for n in inputs if io_names.is_past(n)]
     outputs = [o.name for o in session.get_outputs()]
-    presents = [n for n in outputs if n.startswith("present.")]
+    presents = [n for n in outputs if io_names.is_present(n)]
     batch = ids.shape[0]
     feeds = {n: np.zeros((batch, int(inputs[n].shape[1]), 0, int(inputs[n].shape[3])),
                          np.float16 if "float16" in inputs[n].type else np.float32) for n in past}
@@ -70,10 +72,11 @@ def _steps(session, ids: np.ndarray, next_ids: np.ndarray) -> list[np.ndarray]:
     start = 0
     for step_ids in (ids, *np.split(next_ids, next_ids.shape[1], axis=1)):
         length = step_ids.shape[1]
-        feeds.update(input_ids=step_ids, attention_mask=np.ones((batch, start + length), np.int64),
-                     position_ids=np.broadcast_to(np.arange(start, start + length), (batch, length)).copy())
+        feeds.update({io_names.INPUT_IDS: step_ids,
+                      io_names.ATTENTION_MASK: np.ones((batch, start + length), np.int64),
+                      io_names.POSITION_IDS: np.broadcast_to(np.arange(start, start + length), (batch, length)).copy()})
         out = dict(zip(outputs, session.run(outputs, feeds)))
-        logits.append(out["logits"].astype(np.float32))
+        logits.append(out[io_names.LOGITS].astype(np.float32))
         feeds.update({p: out[q] for p, q in zip(past, presents)})
         start += length
     return logits
@@ -87,7 +90,7 @@ def compare(reference: Path, candidate: Path, rtol: float = 1e-3, seed: int = 0,
     7 slots or more (the ring check must not evict)."""
     ref = _session(reference)
     names = {i.name for i in ref.get_inputs()}
-    if not {"input_ids", "attention_mask", "position_ids"} <= names:
+    if not {io_names.INPUT_IDS, io_names.ATTENTION_MASK, io_names.POSITION_IDS} <= names:
         return None
     vocab = ref.get_outputs()[0].shape[-1]
     vocab = vocab if isinstance(vocab, int) else 1000
@@ -105,8 +108,6 @@ def compare(reference: Path, candidate: Path, rtol: float = 1e-3, seed: int = 0,
 
 def _layout_steps(session):
     """How to drive `session`: by its KV layout's cache policy (ring, paged) or the dense protocol."""
-    from enginesmith.passes.kv import paged_verify, ring_verify
-
     if ring_verify.is_ring(session):
         return ring_verify.ring_steps
     if paged_verify.is_paged(session):

@@ -36,19 +36,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.io_names import GRAPH_DOMAIN as DOMAIN, TRT_DOMAIN
 from enginesmith.passes.machinery.edit import Namer, set_constant
 from enginesmith.passes.analysis.linears import Linear, find_linears, select
 from enginesmith.passes.machinery.match import Rejection
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
+from enginesmith.plugins.compile import PLUGINS_DIR
+from enginesmith.plugins.profitability import load_table, sparse_is_profitable
 
-DOMAIN = "enginesmith"
-TRT_DOMAIN = "trt.plugins"
 METHODS = ("magnitude", "wanda")
 LOWERINGS = ("ort", "trt", "none")
 METADATA_KEY = "enginesmith.sparsity"
@@ -130,7 +130,7 @@ def channel_norms(rows: np.ndarray) -> np.ndarray:
 
 def plugin_dim_align() -> int:
     """cuSPARSELt's shape rule as plugins/sparse_gemm/sparse_gemm.h defines it (kDimAlign)."""
-    header = Path(__file__).resolve().parents[1] / "plugins" / "sparse_gemm" / "sparse_gemm.h"
+    header = PLUGINS_DIR / "sparse_gemm" / "sparse_gemm.h"
     found = re.search(r"kDimAlign\s*=\s*(\d+)", header.read_text()) if header.is_file() else None
     if found is None:
         raise UserError("cannot read the SparseGemm24 plugin's shape rule (plugins/sparse_gemm/sparse_gemm.h)",
@@ -141,8 +141,6 @@ def plugin_dim_align() -> int:
 # ----------------------------------------------------------------------------- choosing layers
 
 def _choose(linears: list[Linear], params: SparsifyParams, table) -> tuple[list[Linear], list[Rejection]]:
-    from enginesmith.plugins.profitability import sparse_is_profitable
-
     chosen, skipped = [], []
     for lin in linears:
         why = None
@@ -261,8 +259,6 @@ def sparsify(model: ir.Model, params: SparsifyParams | None = None, ctx: PassCon
     candidates, skipped = select(linears, params.include_lm_head)
     table = None
     if params.only_profitable:
-        from enginesmith.plugins.profitability import load_table
-
         table = load_table(params.profitability or None)
     chosen, unprofitable = _choose(candidates, params, table)
     stats = {}

@@ -10,10 +10,12 @@ import pytest
 
 from enginesmith.core import engine_dir
 from enginesmith.core import manifest as manifest_schema
-from enginesmith.build import jetson, trt_lint
+from enginesmith.build import jetson, trt_lint, trt_plan
+from enginesmith.build.trt_plan import TrtBuildConfig, profile_shapes
+from enginesmith.core import tensorrt as trt_check
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime import trt_engine
-from enginesmith.runtime.trt_engine import TrtBuildConfig, check_manifest, profile_shapes
+from enginesmith.runtime.trt_engine import check_manifest
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
 needs_trt = pytest.mark.skipif(not HAS_TRT, reason="TensorRT cannot be installed here")
@@ -122,10 +124,10 @@ def test_open_without_gpu_or_tensorrt_says_so(tmp_path):
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed: this checks the message when it is not")
 def test_missing_tensorrt_is_a_clear_user_error(tmp_path):
     with pytest.raises(UserError, match="TensorRT is not installed") as info:
-        trt_engine.require_tensorrt()
+        trt_check.require_tensorrt()
     assert "--backend ort" in str(info.value)
     with pytest.raises(UserError, match="TensorRT is not installed"):
-        trt_engine.build_plan(tmp_path / "model.onnx", tmp_path / "out", TrtBuildConfig())
+        trt_plan.build_plan(tmp_path / "model.onnx", tmp_path / "out", TrtBuildConfig())
 
 
 def test_missing_plugin_library_is_refused_before_tensorrt(tmp_path, monkeypatch):
@@ -225,7 +227,7 @@ def test_build_and_run_tiny_llama_matches_onnxruntime(tiny_engine, tmp_path):
     import shutil
     shutil.copytree(src, out)
     manifest = dict(engine_dir.read_manifest(out).raw)
-    manifest["backend"] = trt_engine.build_plan(out / "model.onnx", out, TrtBuildConfig(max_batch=2, max_input=64,
+    manifest["backend"] = trt_plan.build_plan(out / "model.onnx", out, TrtBuildConfig(max_batch=2, max_input=64,
                                                                                          max_positions=256))
     manifest.pop("files")
     engine_dir.write_manifest(out, manifest)

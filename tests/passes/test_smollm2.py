@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def small_calib():
+def small_calib(austen):
     from enginesmith.models.load import load_tokenizer, resolve
 
     return calibration_set(load_tokenizer(resolve(None)), samples=4, seq_len=128)

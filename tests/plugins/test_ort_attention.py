@@ -249,3 +249,43 @@ def test_cuda_graph_of_one_shape_survives_a_workspace_grown_by_another(ops_lib):
     run(io_a, 1, times=2)  # replays of the first graph
     got = out_a.cpu().numpy().astype(np.float32)
     assert np.abs(got - want_a.astype(np.float32)).max() <= 2e-3 * max(1.0, float(np.abs(want_a).max()))
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(do_rotary=0), "no fused rotary, or interleaved rotary (the kernel applies half-split rotary)"),
+    (dict(softcap=30.0), "softcap=30.0 is not supported"),
+    (dict(d=96), "head size 96 is not one of (64, 128)"),
+    (dict(h=34, hkv=2), "17 query heads per KV head, over 16"),
+])
+def test_pass_rejects_what_the_kernel_cannot_take_with_the_reason(change, reason):
+    """A GroupQueryAttention the kernel does not implement stays com.microsoft's and is reported
+    (node, reason); the pass only rewrites the graph here (no library needed)."""
+    import onnx_ir as ir
+    from onnx import numpy_helper
+
+    from enginesmith.passes.lower.ort_attention import ort_attention
+
+    def model(h=8, hkv=2, d=64, **attrs):
+        proto = _model(False, h, hkv, d, 0.125)
+        node = proto.graph.node[0]
+        node.name = "gqa"
+        kept = [a for a in node.attribute if a.name not in attrs]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute(name, value) for name, value in attrs.items()])
+        table = np.zeros((32, d // 2), np.float16)  # the rotary tables as constants, as the exporter has them
+        for name in ("cos_cache", "sin_cache"):
+            proto.graph.input.remove(next(i for i in proto.graph.input if i.name == name))
+            proto.graph.initializer.append(numpy_helper.from_array(table, name))
+        for i in proto.graph.input:
+            if i.name == "qkv":
+                i.type.tensor_type.elem_type = T.FLOAT16
+        return ir.from_proto(proto)
+
+    good = model()
+    assert ort_attention(good).counts == {"attention": 1}
+    assert {n.domain for n in good.graph} == {"com.enginesmith"}
+    bad = model(**change)
+    result = ort_attention(bad)
+    assert result.counts == {"attention": 0}
+    assert [(r.node, r.reason) for r in result.skipped] == [("gqa", reason)]
+    assert [(n.domain, n.op_type) for n in bad.graph] == [("com.microsoft", "GroupQueryAttention")]

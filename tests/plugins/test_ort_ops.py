@@ -334,3 +334,35 @@ def test_cuda_int4_gemv_keeps_large_activations_finite(ops_lib, m):
     got = _session(model, ops_lib, cuda="ort").run(None, {"x": x})[0].astype(np.float32)
     assert np.isfinite(want).all() and np.isfinite(got).all()
     assert np.abs(got - want).max() <= 4e-3 * float(np.abs(want).max()), (float(np.abs(got - want).max()), float(np.abs(want).max()))
+
+
+def test_pass_rejects_what_the_ops_cannot_take_with_the_reason():
+    """Sites the rules cannot take stay as they are and are reported (node, reason); the others are
+    rewritten and counted. Only the graph rewrite runs here: no library needed."""
+    import onnx_ir as ir
+
+    from enginesmith.passes.lower.ort_gemv import ort_gemv
+
+    rng = np.random.default_rng(0)
+    ms = "com.microsoft"
+    w = (rng.standard_normal((16, 64)) * 0.05).astype(np.float16)
+    nodes = [helper.make_node("FusedMatMul", ["x", "w"], ["ok"], "ok", domain=ms, transB=1),
+             helper.make_node("FusedMatMul", ["x", "w"], ["no_trans"], "no_trans", domain=ms, transA=1, transB=1),
+             helper.make_node("FusedMatMul", ["x12", "w12"], ["k12"], "k12", domain=ms, transB=1),
+             helper.make_node("RMSNormalization", ["x", "g"], ["normed"], "norm", axis=-1),
+             helper.make_node("FusedMatMul", ["normed", "w"], ["after_norm"], "after_norm", domain=ms, transB=1),
+             helper.make_node("Relu", ["normed"], ["other_reader"], "relu")]
+    proto = _model(nodes, {"w": w, "w12": w[:, :12].copy(), "g": np.ones(64, np.float16)}, [1, 64])
+    proto.graph.input.append(helper.make_tensor_value_info("x12", T.FLOAT16, [1, 12]))
+    proto.graph.value_info.append(helper.make_tensor_value_info("normed", T.FLOAT16, [1, 64]))
+    model = ir.from_proto(proto)
+    result = ort_gemv(model)
+    assert result.counts == {"gemv": 2, "gemv_q4": 0, "swiglu": 0, "norm": 0}
+    reasons = {r.node: r.reason for r in result.skipped}
+    assert reasons["no_trans"].startswith("not x @ W^T")
+    assert reasons["k12"] == "K = 12 is not a multiple of 8"
+    assert reasons["after_norm_gemv"] == "the normalized x is also read elsewhere"
+    assert len(result.skipped) == 3
+    ops = [(n.name, n.op_type) for n in model.graph]
+    assert ("no_trans", "FusedMatMul") in ops and ("k12", "FusedMatMul") in ops
+    assert ("ok_gemv", "Gemv") in ops and ("norm", "RMSNormalization") in ops

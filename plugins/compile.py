@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -231,30 +232,25 @@ def ensure(name: str, progress: bool = True) -> Path:
 
 # ----------------------------------------------------------------------------- tools
 
-def find_cmake() -> str | None:
-    """cmake of the PyPI package `cmake` (enginesmith[cuda]), else cmake on PATH."""
-    try:  # deferred on purpose: an optional package
-        import cmake
-
-        path = Path(cmake.CMAKE_BIN_DIR) / "cmake"
-        if path.is_file():
-            return str(path)
+def _pip_tool(module: str, bin_dir: str, name: str) -> str | None:
+    """`name` from the bin dir of the PyPI package `module` (enginesmith[cuda]), else from PATH."""
+    try:
+        tool = Path(getattr(importlib.import_module(module), bin_dir)) / name  # an optional package
+        if tool.is_file():
+            return str(tool)
     except (ImportError, AttributeError):
         pass
-    return shutil.which("cmake")
+    return shutil.which(name)
+
+
+def find_cmake() -> str | None:
+    """cmake of the PyPI package `cmake`, else cmake on PATH."""
+    return _pip_tool("cmake", "CMAKE_BIN_DIR", "cmake")
 
 
 def find_ninja() -> str | None:
     """ninja of the PyPI package `ninja`, else ninja on PATH (without it CMake falls back to make)."""
-    try:  # deferred on purpose: an optional package
-        import ninja
-
-        path = Path(ninja.BIN_DIR) / "ninja"
-        if path.is_file():
-            return str(path)
-    except (ImportError, AttributeError):
-        pass
-    return shutil.which("ninja")
+    return _pip_tool("ninja", "BIN_DIR", "ninja")
 
 
 def find_nvcc() -> str | None:

@@ -23,16 +23,16 @@ enqueue, replayed for every decode step with inputs copied into the same static 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 
 from enginesmith.core import engine_dir, io_names
 from enginesmith.core.errors import EngineError, UserError
-from enginesmith.core.manifest import KVLayout, Manifest
+from enginesmith.core.manifest import Manifest
 from enginesmith.core.tensorrt import current_sm, ensure_tensorrt, load_plugins, shape_of
+from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -69,26 +69,8 @@ def check_manifest(manifest: Manifest, sm: str | None, trt_version: str | None) 
                           "rebuild the engine with `enginesmith build --backend trt`")
 
 
-@dataclass
-class LoadedTrtEngine:
-    """The TensorRT counterpart of runtime.load.LoadedEngine (same fields and properties)."""
-
-    path: Path
-    manifest: Manifest
-    engine: "TrtEngine"
-    tokenizer: Any
-
-    @property
-    def max_positions(self) -> int:
-        return self.manifest.max_positions
-
-    @property
-    def pad_id(self) -> int:
-        return self.manifest.model.pad_token_id or 0
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self.manifest.kv_layout
+class LoadedTrtEngine(LoadedEngine):
+    """runtime.load.LoadedEngine for a TensorRT plan: its profile's max_positions bounds every layout."""
 
     @property
     def context_limit(self) -> int | None:
@@ -157,7 +139,8 @@ class TrtKVCache:
     from one generation to the next); a cache is a view of them: length P and which copy is current.
     """
 
-    rollback, evicts = True, False  # protocols.KVCache
+    rollback: ClassVar[bool] = True  # protocols.KVCache
+    evicts: ClassVar[bool] = False
 
     def __init__(self, buffers: list[list[Any]], batch: int, kv_heads: int, head_dim: int, in_place: bool) -> None:
         self.buffers = buffers        # [layer*2 + k/v][copy] -> flat tensor of B*Hkv*C*D on the GPU
@@ -185,7 +168,8 @@ class TrtKVCache:
 class TrtEngine:
     """forward(ids, mask, positions, cache) -> logits [B, S, V] float32, over one execution context."""
 
-    device, device_decode = "cuda", False  # protocols.Engine
+    device: str = "cuda"  # protocols.Engine
+    device_decode: ClassVar[bool] = False
 
     def __init__(self, cuda_engine: trt.ICudaEngine, max_batch: int, max_input: int, capacity: int,
                  cuda_graphs: bool = True) -> None:

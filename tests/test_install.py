@@ -26,7 +26,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.plugins import compile as plugin_compile
 from enginesmith.plugins import ort_ops
 from external import missing
-from tests.test_cli_errors import assert_one_line_error
+from test_cli_errors import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 

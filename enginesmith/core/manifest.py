@@ -171,7 +171,7 @@ class _Fields:
 
     def _fail(self, key: str, wanted: str) -> ManifestError:
         value = self.data.get(key)
-        got = "missing" if key not in self.data else f"got {_kind(value)} {_show(value)}"
+        got = "missing" if key not in self.data else "got null" if value is None else f"got {_kind(value)} {_show(value)}"
         return ManifestError(f"field {self._name(key)!r} must be {wanted} ({got})", "rebuild the engine")
 
     def get(self, key: str, check: Callable[[object], bool], wanted: str, default: object = None,

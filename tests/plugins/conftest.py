@@ -1,9 +1,9 @@
 """Fixtures for the plugin tests: the plugin modules and one CMake build shared by the session.
 
-The build is made once (all CUDA archs, TensorRT wrappers included) unless $ENGINESMITH_PLUGINS_BUILD
-names a directory that already holds it (the GPU machine gets a prebuilt one that way). It needs nvcc
-and the TensorRT headers ($TENSORRT_ROOT, see tests/external.py): without them the plugin tests skip,
-or fail under ENGINESMITH_TEST_STRICT=1.
+The build is made once (all CUDA archs) unless $ENGINESMITH_PLUGINS_BUILD names a directory that
+already holds it (on the GPU machine: `enginesmith plugins build`'s cache directory). The kernels need
+only nvcc; the TensorRT plugin library also needs the TensorRT headers ($TENSORRT_ROOT, see
+tests/external.py): without them the tests of that library skip, or fail under ENGINESMITH_TEST_STRICT=1.
 """
 
 from __future__ import annotations
@@ -23,24 +23,37 @@ def nvcc_path() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def plugin_build(tmp_path_factory) -> Path:
-    """Directory holding libenginesmith_trt_plugins.so and libenginesmith_kernels.so."""
+def kernel_build(tmp_path_factory) -> Path:
+    """Directory holding libenginesmith_kernels.so and libenginesmith_ort_ops.so, built once for every
+    CUDA arch; with the TensorRT headers present, the TensorRT plugin library and wrapper check too.
+    The kernels need no TensorRT: a GPU machine without its headers still runs every kernel test."""
     prebuilt = os.environ.get("ENGINESMITH_PLUGINS_BUILD")
     if prebuilt and (Path(prebuilt) / "libenginesmith_kernels.so").exists():
         return Path(prebuilt)
     if nvcc_path() is None:
         missing("nvcc is not installed: the CUDA plugins cannot be compiled here",
                 "install the CUDA toolkit (nvcc on PATH or in /usr/local/cuda/bin)")
-    tensorrt_root = TENSORRT.require()
+    root = TENSORRT.path()
+    with_trt = (root / TENSORRT.marker).exists()
     out = tmp_path_factory.mktemp("plugins_build")
-    kernels.build(out, archs=kernels.ALL_ARCHS, tensorrt_root=str(tensorrt_root))
+    kernels.build(out, archs=kernels.ALL_ARCHS, tensorrt_root=str(root) if with_trt else None, trt_plugins=with_trt)
     return out
 
 
 @pytest.fixture(scope="session")
-def kernels_lib(plugin_build):
+def plugin_build(kernel_build) -> Path:
+    """kernel_build, required to hold the TensorRT plugin library (its headers: $TENSORRT_ROOT)."""
+    TENSORRT.require()
+    if not (kernel_build / "libenginesmith_trt_plugins.so").exists():
+        missing(f"{kernel_build} was built without the TensorRT plugins", "unset ENGINESMITH_PLUGINS_BUILD "
+                "or point it at a build made with TENSORRT_ROOT set")
+    return kernel_build
+
+
+@pytest.fixture(scope="session")
+def kernels_lib(kernel_build):
     """The ctypes binding, pointed at the session's build."""
-    os.environ["ENGINESMITH_KERNELS_LIB"] = str(plugin_build / "libenginesmith_kernels.so")
+    os.environ["ENGINESMITH_KERNELS_LIB"] = str(kernel_build / "libenginesmith_kernels.so")
     kernels.lib.cache_clear()
     kernels.lib()
     return kernels
@@ -60,7 +73,7 @@ def ops_lib(request):
     if env and Path(env).is_file():
         yield Path(env)
         return
-    path = request.getfixturevalue("plugin_build") / "libenginesmith_ort_ops.so"
+    path = request.getfixturevalue("kernel_build") / "libenginesmith_ort_ops.so"
     assert path.exists(), f"{path} was not built"
     os.environ["ENGINESMITH_ORT_OPS_LIB"] = str(path)
     yield path

@@ -57,6 +57,7 @@ LIBRARY_ENV = {"ort_ops": "ENGINESMITH_ORT_OPS_LIB", "kernels": "ENGINESMITH_KER
 BUILD_ENV = "ENGINESMITH_PLUGINS_BUILD"
 # What CMakeLists.txt compiles from; their bytes make the sources' part of the cache key.
 SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".cmake")
+SOURCE_NAMES = ("CMakeLists.txt", "limits.json")  # limits.json: the kernels' limits, compiled in
 MIN_ARCH = 80  # cp.async, ldmatrix and the bf16 MMAs of the kernels need sm_80 or newer
 ARCH_FIX = "pass the GPU's compute capability without the dot, e.g. --arch 90 (H100/H200), 80 (A100) or 80,90"
 
@@ -73,7 +74,7 @@ def source_files(root: Path = PLUGINS_DIR) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != "build" and not d.startswith((".", "__")))
         for name in filenames:
-            if name == "CMakeLists.txt" or name.endswith(SOURCE_SUFFIXES):
+            if name in SOURCE_NAMES or name.endswith(SOURCE_SUFFIXES):
                 files.append(Path(dirpath) / name)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 

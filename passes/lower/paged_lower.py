@@ -31,7 +31,7 @@ from enginesmith.core.io_names import MS_DOMAIN, TRT_DOMAIN
 from enginesmith.passes.kv.paged_rewrite import DOMAIN, METADATA_KEY, PERM
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Emit, Namer
-from enginesmith.plugins import kernels
+from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("cpu", "cuda", "trt")
 HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -127,24 +127,12 @@ def _lower_cuda(graph: ir.Graph, namer: Namer, node: ir.Node) -> None:
     ir.convenience.replace_nodes_and_values(graph, node, [node], e.nodes, list(node.outputs), [y, k_out, v_out])
 
 
-# The PagedAttention plugin's limits, mirrored from plugins/paged_attention/paged_attention.h (where
-# they are defined) for lowering on a machine without the kernels library: the lowering only refuses
-# early with a reason, the TensorRT build loads the plugin anyway. tests/passes/test_paged_limits.py
-# holds this copy to the header everywhere and to the C API wherever the library is built.
-PLUGIN_LIMITS = {"head_sizes": (64, 128), "block_sizes": (16, 32, 64), "max_query_len": 16}
-
-
 def plugin_limits() -> dict:
-    """The PagedAttention plugin's limits: through the kernels library's C API when it is built
-    (nothing is compiled to answer), else `PLUGIN_LIMITS`."""
-    path = kernels.library_path()
-    if path is None or not path.is_file():
-        return dict(PLUGIN_LIMITS)
-    try:
-        lim = kernels.paged_attention_limits()
-    except (OSError, kernels.KernelError):  # built, but not loadable here (no CUDA driver, older ABI)
-        return dict(PLUGIN_LIMITS)
-    return {"head_sizes": lim.head_sizes, "block_sizes": lim.block_sizes, "max_query_len": lim.max_query_len}
+    """The PagedAttention plugin's limits (head_sizes, block_sizes, max_query_len) from plugins/limits.json,
+    their one definition, which the kernels compile in: known without the kernels library (lowering
+    runs on machines where it is not built). The lowering only refuses early with a reason; the
+    TensorRT build loads the plugin anyway."""
+    return dict(kernel_limits()["paged_attention"])
 
 
 def _lower_trt(graph: ir.Graph, namer: Namer, node: ir.Node, limits: dict) -> None:

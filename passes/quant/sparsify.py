@@ -34,7 +34,6 @@ Lossy: measured by perplexity (benchmarks/sparsity/), not compared by the pass m
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +45,7 @@ from enginesmith.passes.machinery.edit import Namer, set_constant
 from enginesmith.passes.analysis.linears import Linear, find_linears, select
 from enginesmith.passes.machinery.match import Rejection
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
-from enginesmith.plugins.compile import PLUGINS_DIR
+from enginesmith.plugins.limits import limits as kernel_limits
 from enginesmith.plugins.profitability import load_table, sparse_is_profitable
 
 METHODS = ("magnitude", "wanda")
@@ -129,13 +128,8 @@ def channel_norms(rows: np.ndarray) -> np.ndarray:
 
 
 def plugin_dim_align() -> int:
-    """cuSPARSELt's shape rule as plugins/sparse_gemm/sparse_gemm.h defines it (kDimAlign)."""
-    header = PLUGINS_DIR / "sparse_gemm" / "sparse_gemm.h"
-    found = re.search(r"kDimAlign\s*=\s*(\d+)", header.read_text()) if header.is_file() else None
-    if found is None:
-        raise UserError("cannot read the SparseGemm24 plugin's shape rule (plugins/sparse_gemm/sparse_gemm.h)",
-                        "lower for TensorRT from a source checkout of enginesmith")
-    return int(found.group(1))
+    """cuSPARSELt's shape rule (N and K multiples of this) as plugins/limits.json defines it for the plugin."""
+    return int(kernel_limits()["sparse_gemm"]["dim_align"])
 
 
 # ----------------------------------------------------------------------------- choosing layers

@@ -43,10 +43,14 @@
 namespace enginesmith {
 namespace paged_attention {
 
-// Limits, defined once. The Python binding reads them through the C API (es_paged_attention_limits).
-constexpr int kSupportedHeadSizes[] = {64, 128};
-constexpr int kSupportedBlockSizes[] = {16, 32, 64};
-constexpr int kMaxQueryLen = 16;  // multi-token queries: speculative verification, chunked prefill
+// Limits, defined once in plugins/limits.json: CMakeLists.txt compiles them in as ES_PA_* (Python
+// reads the same file, plugins/limits.py; the C API reports them, es_paged_attention_limits).
+#if !defined(ES_PA_HEAD_SIZES) || !defined(ES_PA_BLOCK_SIZES) || !defined(ES_PA_MAX_QUERY_LEN)
+#error "ES_PA_HEAD_SIZES, ES_PA_BLOCK_SIZES, ES_PA_MAX_QUERY_LEN come from plugins/limits.json: build with plugins/CMakeLists.txt"
+#endif
+constexpr int kSupportedHeadSizes[] = {ES_PA_HEAD_SIZES};
+constexpr int kSupportedBlockSizes[] = {ES_PA_BLOCK_SIZES};
+constexpr int kMaxQueryLen = ES_PA_MAX_QUERY_LEN;  // multi-token queries: speculative verification, chunked prefill
 constexpr int kMaxSplits = 256;   // flash-decoding splits per (sequence, KV head, row block)
 constexpr int kRowsPerCta = 16;   // one m16 MMA tile of (query token, head in group) rows
 constexpr int kMultiTiles = 4;    // m16 row tiles per block when G * Sq > kRowsPerCta (one per warp)

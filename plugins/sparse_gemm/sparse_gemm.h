@@ -29,9 +29,14 @@
 namespace enginesmith {
 namespace sparse_gemm {
 
-// cuSPARSELt's shape rules for 16-bit types, held here once: N and K multiples of 16 (we also need
-// K % 4 == 0 for the 2:4 groups, implied).
-constexpr int kDimAlign = 16;
+// cuSPARSELt's shape rules for 16-bit types: N and K multiples of 16 (we also need K % 4 == 0 for the
+// 2:4 groups, implied). Defined once in plugins/limits.json (sparse_gemm.dim_align), which
+// CMakeLists.txt compiles in as ES_SPARSE_DIM_ALIGN and Python reads (plugins/limits.py).
+#ifndef ES_SPARSE_DIM_ALIGN
+#error "ES_SPARSE_DIM_ALIGN comes from plugins/limits.json: build with plugins/CMakeLists.txt"
+#endif
+constexpr int kDimAlign = ES_SPARSE_DIM_ALIGN;
+static_assert(kDimAlign % 4 == 0, "the 2:4 groups need K % 4 == 0");
 
 // Shape/type check shared by the binding and the TensorRT wrapper.
 Status check_config(DType dtype, int64_t n, int64_t k);

@@ -21,6 +21,7 @@ import onnx
 import pytest
 
 from audit_opens import opened_under
+from tamper import resign
 
 from enginesmith import cli
 from enginesmith.core import engine_dir
@@ -54,18 +55,6 @@ def run_engine(capfd, path: Path) -> tuple[int, str]:
 
 def read(path: Path) -> dict:
     return json.loads((path / "build.json").read_text())
-
-
-def resign(path: Path, manifest: dict) -> None:
-    """Write build.json with `manifest`, its file records recomputed as an attacker would."""
-    manifest = dict(manifest)
-    manifest.pop("files", None)
-    files = {}
-    for p in sorted(path.rglob("*")):
-        if p.is_file() and not p.is_symlink() and p.name != "build.json":
-            files[p.relative_to(path).as_posix()] = {"sha256": engine_dir.sha256(p), "size": p.stat().st_size}
-    manifest["files"] = files
-    (path / "build.json").write_text(json.dumps(manifest))
 
 
 def write_raw(path: Path, manifest) -> None:

@@ -26,8 +26,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from audit_opens import opened_under  # noqa: E402
-from enginesmith import cli
-from enginesmith.core import engine_dir  # noqa: E402
+from tamper import resign  # noqa: E402
+
+from enginesmith import cli  # noqa: E402
+
 
 def fuzz(examples: int):
     return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
@@ -97,22 +99,6 @@ def check_contract(capfd, arena, args: list[str]) -> int:
 
 def run_args(engine: Path) -> list[str]:
     return ["run", "--engine", str(engine), "--raw", "hello", "--max-tokens", "2", "--device", "cpu"]
-
-
-def resign(engine: Path) -> None:
-    """Recompute build.json's file records as an attacker who can write the directory would."""
-    try:
-        m = json.loads((engine / "build.json").read_text())
-    except (ValueError, OSError):
-        return
-    if not isinstance(m, dict):
-        return
-    files = {}
-    for p in sorted(engine.rglob("*")):
-        if p.is_file() and not p.is_symlink() and p.name != "build.json":
-            files[p.relative_to(engine).as_posix()] = {"sha256": engine_dir.sha256(p), "size": p.stat().st_size}
-    m["files"] = files
-    (engine / "build.json").write_text(json.dumps(m))
 
 
 # ----------------------------------------------------------------------------- strategies

@@ -22,7 +22,6 @@ from typing import Callable
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.models.corpus import tokenize  # noqa: F401  (measure's callers use perplexity.tokenize)
 
 LogitsFn = Callable[[np.ndarray], np.ndarray]  # ids int64 [1, W] -> logits [1, W, V]
 

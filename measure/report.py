@@ -120,7 +120,7 @@ def eval_ppl(loaded, text_path: str | None, novel: str, tokens: int, window: int
         raise UserError(f"--window {window} exceeds the model's context of {loaded.max_positions}",
                         f"use --window <= {loaded.max_positions}")
     text = corpus.load_text(text_path, novel=novel)
-    ids = perplexity.tokenize(loaded.tokenizer, text, tokens)
+    ids = corpus.tokenize(loaded.tokenizer, text, tokens)
     result = {"model": loaded.manifest.source.name, "precision": loaded.manifest.precision,
               "text": text_path or f"austen:{novel}",
               **perplexity.perplexity(perplexity.ort_logits_fn(loaded.engine), ids, window=window)}

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.measure.perplexity import tokenize
+from enginesmith.models.corpus import tokenize
 from enginesmith.models.corpus import austen_text
 from enginesmith.runtime import speculative as sp
 from enginesmith.runtime.generate import GenerationConfig, generate_ids

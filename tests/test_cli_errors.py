@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -107,7 +106,9 @@ def test_existing_output_needs_force(engine_copy):
     assert_one_line_error(result, 2, "already exists", "--force")
 
 
-def test_ctrl_c_during_build_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_during_build_leaves_nothing(tmp_path, sig, code, word):
+    """Ctrl-C and SIGTERM mid-build: the exit status says which, and neither the engine nor a temp dir is left."""
     out = tmp_path / "engine"
     proc = subprocess.Popen([sys.executable, "-m", "enginesmith.cli", "build", "--model", "tiny:gpt2",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -118,8 +119,8 @@ def test_ctrl_c_during_build_leaves_nothing(tmp_path):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "interrupted" in err.strip().splitlines()[-1]
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and word in err.strip().splitlines()[-1]
     assert list(tmp_path.iterdir()) == []  # neither the engine nor a temp dir is left

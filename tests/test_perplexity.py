@@ -97,10 +97,10 @@ def test_ort_matches_torch_tiny(tiny_llama):
 @pytest.mark.slow
 def test_smollm2_ort_matches_torch_on_austen(smollm2, smollm2_onnx, austen):
     """facts.md: SmolLM2 fp32, first 4096 tokens of Pride and Prejudice, no BOS, 1024 windows: 20.30."""
-    from enginesmith.models.corpus import austen_text
+    from enginesmith.models.corpus import austen_text, tokenize
     from enginesmith.runtime.ort_engine import OrtEngine
 
-    ids = P.tokenize(smollm2.tokenizer, austen_text("prideprejudice"), 4096)
+    ids = tokenize(smollm2.tokenizer, austen_text("prideprejudice"), 4096)
     assert len(ids) == 4096
     ort = P.perplexity(P.ort_logits_fn(OrtEngine(smollm2_onnx, device="cpu")), ids, window=1024, progress=False)
     ref = P.perplexity(P.torch_logits_fn(smollm2.model), ids, window=1024, progress=False)

@@ -56,7 +56,7 @@ def main() -> None:
     import onnxruntime
 
     from enginesmith.models.corpus import austen_text
-    from enginesmith.measure.perplexity import tokenize
+    from enginesmith.models.corpus import tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.core.paths import cache_dir
     from enginesmith.runtime.ort_engine import OrtEngine

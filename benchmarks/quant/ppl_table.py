@@ -87,7 +87,8 @@ def main() -> None:
         return
 
     from enginesmith.models.corpus import austen_text
-    from enginesmith.measure.perplexity import ort_logits_fn, perplexity, tokenize
+    from enginesmith.measure.perplexity import ort_logits_fn, perplexity
+    from enginesmith.models.corpus import tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.passes import build_pipeline, calibration_set, run_pipeline
     from enginesmith.core.paths import cache_dir

@@ -46,7 +46,8 @@ def main() -> None:
     import onnxruntime
 
     from enginesmith.models.corpus import austen_text
-    from enginesmith.measure.perplexity import ort_logits_fn, perplexity, tokenize
+    from enginesmith.measure.perplexity import ort_logits_fn, perplexity
+    from enginesmith.models.corpus import tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.passes import calibration_set, run_pipeline
     from enginesmith.passes.quant.sparsify import SparsifyParams, sparsify

@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
-from enginesmith.measure import perplexity, streaming
+from enginesmith.measure import streaming
 from enginesmith.models import corpus  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def run(args) -> None:
     capacity = args.sinks + args.kv_window
     dense = common.open_engine(args.model, args.device)
     text = corpus.load_text(args.text, novel=args.novel)
-    ids = perplexity.tokenize(dense.tokenizer, text, args.tokens)
+    ids = corpus.tokenize(dense.tokenizer, text, args.tokens)
     if len(ids) < args.tokens:
         raise SystemExit(f"the text has only {len(ids)} tokens")
     for policy in args.policies.split(","):

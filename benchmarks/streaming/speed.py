@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
-from enginesmith.measure import perplexity, streaming
+from enginesmith.measure import streaming
 from enginesmith.models import corpus  # noqa: E402
 from enginesmith.runtime.ort_engine import OrtEngine  # noqa: E402
 
@@ -58,7 +58,7 @@ def main() -> None:
     dense = common.open_engine(args.model, args.device, threads=args.threads)
     ring = common.open_engine(args.model, args.device, "ring", args.sinks, args.kv_window, threads=args.threads).engine
     cap = args.sinks + args.kv_window
-    ids = perplexity.tokenize(dense.tokenizer, corpus.load_text(args.text), cap + args.steps + 64)
+    ids = corpus.tokenize(dense.tokenizer, corpus.load_text(args.text), cap + args.steps + 64)
     one = np.ones((1, 1), np.int64)
 
     # parity before eviction, on this device

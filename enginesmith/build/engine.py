@@ -305,11 +305,6 @@ def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
     FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the embedding table
     instead of a transposed copy ORT would fold at load); with the custom ops, the decode GEMVs
     (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops."""
-    # deferred: importing them registers the CUDA passes, and imports onnx
-    from enginesmith.passes.fusion import matmul_transb, skip_rmsnorm, untie_lm_head  # noqa: F401
-    # deferred: as above
-    from enginesmith.passes.lower import lower_gqa, ort_attention, ort_gemv  # noqa: F401
-
     text = f"lower_gqa:capacity={capacity},skip_rmsnorm"
     if config.quant == "w4a16-rtn":
         lm_head = ",untie_lm_head" if config.quantize_lm_head else ""

@@ -7,7 +7,6 @@ import json
 
 from enginesmith.cli.flags import add_kv_flags, add_model_flags, build_config, load_engine
 from enginesmith.core.errors import UserError
-from enginesmith.measure import perplexity
 from enginesmith.models import corpus
 
 
@@ -61,7 +60,7 @@ def _eval_stream(args) -> int:
             opened[config] = load_engine(args, config)
         loaded = opened[config]
         if ids is None:
-            ids = perplexity.tokenize(loaded.tokenizer, corpus.load_text(args.text, novel=args.novel), args.tokens)
+            ids = corpus.tokenize(loaded.tokenizer, corpus.load_text(args.text, novel=args.novel), args.tokens)
         if policy == "recompute":
             runs.append(streaming.run_recompute(loaded.engine, ids, capacity, args.stride))
         else:

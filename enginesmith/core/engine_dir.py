@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -294,15 +295,11 @@ def lock(target: Path, wait: bool) -> Iterator[None]:
 def _remove_stale(target: Path) -> None:
     """Temp and old directories of earlier writers of `target` (dead: we hold its lock)."""
     for prefix in (f".{target.name}.tmp-", f".{target.name}.old-"):
-        for stale in target.parent.glob(f"{glob_escape(prefix)}*"):
+        for stale in target.parent.glob(f"{glob.escape(prefix)}*"):
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-
-
-def glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 class Terminated(KeyboardInterrupt):

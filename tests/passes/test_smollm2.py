@@ -51,7 +51,7 @@ def test_w4a16_awq_engine_on_smollm2(smollm2_graph, small_calib, tmp_path):
     fp16_bytes = _size(smollm2_graph) / 2                     # every fp32 tensor halves in fp16
     assert _size(out) <= 0.35 * fp16_bytes
     from enginesmith.models.corpus import austen_text
-    from enginesmith.measure.perplexity import tokenize
+    from enginesmith.models.corpus import tokenize
     from enginesmith.models.load import load_tokenizer, resolve
 
     ids = tokenize(load_tokenizer(resolve(None)), austen_text("prideprejudice"))[None, :128]

@@ -106,14 +106,20 @@ def test_existing_output_needs_force(engine_copy):
     assert_one_line_error(result, 2, "already exists", "--force")
 
 
+def _default_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
 def test_a_signal_during_build_leaves_nothing(tmp_path, sig, code, word):
     """Ctrl-C and SIGTERM mid-build: the exit status says which, and neither the engine nor a temp dir is left."""
     out = tmp_path / "engine"
     proc = subprocess.Popen([sys.executable, "-m", "enginesmith.cli", "build", "--model", "tiny:gpt2",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # a test run started in the background inherits SIGINT ignored: undo that
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            # a test run may inherit SIGINT or SIGTERM ignored (a background job, a CI
+                            # runner), and the build rightly keeps an inherited SIG_IGN: undo that here
+                            preexec_fn=_default_signals)
     deadline = time.time() + 300
     while not list(tmp_path.glob(".engine.tmp-*")) and time.time() < deadline:  # wait until mid-build
         assert proc.poll() is None, proc.communicate()

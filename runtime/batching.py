@@ -4,41 +4,80 @@ Dimension legend: B rows this step, S = the widest row's new tokens, V vocab.
 
 One `step()` (vLLM v1's scheduler, scaled down: one token budget, no separate prefill phase):
 
+    cancelled requests leave (pages back to the pool)
     running requests, in arrival order ── each gets min(remaining, chunk, budget) new tokens
         │  (decode: 1; a prompt: chunks of `chunk`); out of pages -> preempt the newest running
         │  request (free its pages, back to the front of the queue, recomputed later)
-    waiting requests ── admitted while rows, budget and pages last; a prefix hit skips the cached
-        │  full blocks of the prompt
-    one forward: rows right-padded to S; context_lens = computed + S; pads write slot -1
-        ▼
-    rows whose tokens are all computed sample one token; stop token / max_new_tokens -> finished,
-    pages freed at once; full blocks just written enter the prefix cache
+    waiting requests ── admitted while rows, budget and pages last (admission by free pages: a
+        │  request that does not fit waits; one that never could is refused when added); a prefix
+        │  hit skips the cached full blocks of the prompt
+    one forward (`PagedModel.run`): rows right-padded to S; context_lens = computed + S; pads
+        │  write slot -1; the model samples one token for each row whose prompt is all computed,
+        ▼  with that request's sampling parameters (on the device for the CUDA engine)
+    stop token / stop string / max_new_tokens -> finished, pages freed at once; full blocks just
+    written enter the prefix cache
 
-Right padding keeps every query column at a valid position (context_lens >= S), as the TensorRT
-plugin requires; the plugin also caps S at 16 (use chunk <= 16 there). A request's output does not
-depend on what it was batched with (tested: equal to the request run alone, greedy).
+Right padding keeps every query column at a valid position (context_lens >= S), as the paged
+kernels require; it also means a row reaches position computed + S - 1 with padding, so a request
+must leave `chunk - 1` positions of the model's context free (checked when it is added).
+
+A request's output does not depend on what it was batched with: greedy is the argmax of its own
+logits, and a sampled token is drawn with noise keyed by (the request's seed, the token's index),
+not by a generator shared with batch-mates (tested: equal to the request run alone).
+
+`PagedModel` is what the scheduler drives: `kv_paged.OrtPagedModel` (any ONNX Runtime paged graph,
+sampling on the host) and `paged_cuda.PagedCudaEngine` (the CUDA paged engine, sampling on the device).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.kv_layout import PagedStep
 from enginesmith.runtime.block_manager import KVCacheManager
-from enginesmith.runtime.kv_paged import PagedKVPool, build_step
-from enginesmith.runtime.sampling import SamplingParams, sample
+from enginesmith.runtime.kv_paged import build_step
+from enginesmith.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Pick:
+    """Sample one token from row `row`, column `col` of this step's logits."""
+
+    row: int
+    col: int
+    sampling: SamplingParams
+    seed: int              # the request's seed: the noise of token `index` is keyed by (seed, index)
+    index: int             # the output token's index in its request
+    history: Sequence[int] | None = None  # the request's tokens so far (repetition penalty only)
+
+
+class PagedModel(Protocol):
+    """A paged engine and its page pool, as the scheduler drives it."""
+
+    num_pages: int            # pages in the pool (page 0 is the null page)
+    page_size: int
+    max_chunk: int | None     # new tokens per row per step the attention takes (None: any)
+    max_positions: int | None  # positions a row may reach (its block table's reach; None: no bound)
+
+    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: page dst takes page src's contents in every layer."""
+
+    def run(self, ids: np.ndarray, step: PagedStep, picks: Sequence[Pick]) -> list[int]:
+        """One forward of ids [B, S] over `step`, then one token per pick."""
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch: int = 8      # rows per step
     max_tokens: int = 256   # new tokens per step, all rows together
-    chunk: int = 64         # new tokens per row per step (prefill chunks); <= 16 for the TRT plugin
+    chunk: int = 64         # new tokens per row per step (prefill chunks); capped by the model's max_chunk
 
     def __post_init__(self):
         for name in ("max_batch", "max_tokens", "chunk"):
@@ -53,13 +92,18 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
     output: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose K/V are in the pool
-    finish_reason: str | None = None    # "stop" | "length"
+    finish_reason: str | None = None    # "stop" | "length" | "cancelled"
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
     prefix_hit_tokens: int = 0          # tokens taken from the prefix cache (last admission)
     preemptions: int = 0
-    rng: np.random.Generator | None = None
+    added_at: float = 0.0               # time.perf_counter() when added
+    first_token_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -73,41 +117,76 @@ class StepOutput:
     finished: tuple[str, ...]
     preempted: tuple[str, ...]
     num_tokens: int                        # real new tokens computed
+    width: int = 0                         # S: columns of this step's rows
+    pages_used: int = 0                    # pages held after the step (null page not counted)
+    seconds: float = 0.0                   # wall time of the step
+    context_tokens: int = 0                # KV positions the step's rows attend over (sum of context lengths)
 
 
 class ContinuousBatcher:
-    """Runs many requests of different lengths through one paged engine, batch changing per step."""
+    """Runs many requests of different lengths through one paged model, batch changing per step.
 
-    def __init__(self, engine, num_pages: int, config: SchedulerConfig | None = None,
-                 enable_prefix_caching: bool = True):
-        self.engine = engine
+    Single-threaded: call add_request / cancel / step from one thread (a server's loop thread)."""
+
+    def __init__(self, model: PagedModel, config: SchedulerConfig | None = None,
+                 enable_prefix_caching: bool = True, decode: Callable[[Sequence[int]], str] | None = None):
+        self.model = model
         self.config = config or SchedulerConfig()
-        self.pool = PagedKVPool.for_session(engine.session, num_pages, engine.device)
-        self.manager = KVCacheManager(num_pages, self.pool.page_size, enable_prefix_caching)
+        self.chunk = min(self.config.chunk, model.max_chunk or self.config.chunk)
+        self.manager = KVCacheManager(model.num_pages, model.page_size, enable_prefix_caching)
+        self.decode = decode  # token ids -> text: needed for stop strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[str, Request] = {}
+        self._cancelled: set[str] = set()
         self._ids = itertools.count()
+        self._seeds = np.random.SeedSequence()
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
-                    sampling: SamplingParams | None = None, request_id: str | None = None) -> str:
+                    sampling: SamplingParams | None = None, request_id: str | None = None,
+                    stop_strings: Sequence[str] = ()) -> str:
         if len(prompt) == 0:
             raise UserError("empty prompt", "give at least one token of prompt")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UserError(f"invalid max_new_tokens={max_new_tokens!r}", "use an integer >= 1")
-        needed = -(-(len(prompt) + max_new_tokens) // self.pool.page_size)
-        if needed > self.pool.num_pages - 1:
+        if stop_strings and self.decode is None:
+            raise UserError("stop strings need the tokenizer", "make the batcher with decode=tokenizer.decode")
+        if any(not isinstance(s, str) or not s for s in stop_strings):
+            raise UserError("a stop string is empty or not text", "give non-empty strings")
+        total = len(prompt) + max_new_tokens
+        limit = self.model.max_positions
+        if limit is not None and total + self.chunk - 1 > limit:
+            raise UserError(f"a request of {len(prompt)} + {max_new_tokens} tokens exceeds the engine's "
+                            f"{limit} positions (less {self.chunk - 1} for the padding of a "
+                            "step)", "use a shorter prompt or fewer new tokens")
+        needed = -(-total // self.model.page_size)
+        if needed > self.model.num_pages - 1:
             raise UserError(f"a request of {len(prompt)} + {max_new_tokens} tokens needs {needed} pages; the pool "
-                            f"has {self.pool.num_pages - 1}", "give the batcher more pages")
+                            f"has {self.model.num_pages - 1}", "give the batcher more pages")
         rid = request_id or f"req{next(self._ids)}"
+        if rid in self.finished or any(r.request_id == rid for r in itertools.chain(self.waiting, self.running)):
+            raise UserError(f"request id {rid!r} is already in use", "give each request its own id")
         sampling = sampling or SamplingParams()
+        seed = sampling.seed if sampling.seed is not None else int(self._seeds.spawn(1)[0].generate_state(1)[0])
         self.waiting.append(Request(rid, [int(t) for t in prompt], max_new_tokens, frozenset(stop_token_ids),
-                                    sampling, rng=np.random.default_rng(sampling.seed)))
+                                    tuple(stop_strings), sampling, seed, added_at=time.perf_counter()))
         return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """End a waiting or running request at the next step (its pages go back then); False if unknown
+        or already finished."""
+        if any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
+            self._cancelled.add(request_id)
+            return True
+        return False
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def pages_used(self) -> int:
+        return self.model.num_pages - 1 - self.manager.num_free_blocks
 
     def run(self) -> dict[str, list[int]]:
         """Step until every request has finished; output token ids per request id."""
@@ -116,6 +195,26 @@ class ContinuousBatcher:
         return {rid: r.output for rid, r in self.finished.items()}
 
     # ------------------------------------------------------------------ scheduling
+
+    def _finish(self, req: Request, reason: str, stop=None) -> None:
+        req.finish_reason, req.stop_reason, req.finished_at = reason, stop, time.perf_counter()
+        if req.request_id in self.manager.seqs:
+            self.manager.free(req.request_id)
+        if req in self.running:
+            self.running.remove(req)
+        self.finished[req.request_id] = req
+
+    def _drop_cancelled(self) -> list[str]:
+        if not self._cancelled:
+            return []
+        gone = []
+        for req in [r for r in itertools.chain(self.waiting, self.running) if r.request_id in self._cancelled]:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, "cancelled")
+            gone.append(req.request_id)
+        self._cancelled.clear()
+        return gone
 
     def _preempt(self, victim: Request) -> None:
         self.manager.free(victim.request_id)
@@ -131,7 +230,7 @@ class ContinuousBatcher:
         for req in list(self.running):
             if req not in self.running or len(rows) == cfg.max_batch or budget == 0:
                 continue  # preempted meanwhile, or no room left this step
-            n = min(len(req.tokens) - req.num_computed, cfg.chunk, budget)
+            n = min(len(req.tokens) - req.num_computed, self.chunk, budget)
             while (blocks := self.manager.allocate_slots(req.request_id, n)) is None:
                 victim = self.running[-1]  # the newest request gives its pages back
                 preempted.append(victim.request_id)
@@ -147,7 +246,7 @@ class ContinuousBatcher:
         while self.waiting and not preempted and len(rows) < cfg.max_batch and budget > 0:
             req = self.waiting[0]
             hits, hit_tokens = self.manager.get_computed_blocks(req.tokens)
-            n = min(len(req.tokens) - hit_tokens, cfg.chunk, budget)
+            n = min(len(req.tokens) - hit_tokens, self.chunk, budget)
             blocks = self.manager.allocate_slots(req.request_id, n, hits)
             if blocks is None:
                 break  # wait for pages
@@ -163,35 +262,56 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> StepOutput:
+        start = time.perf_counter()
+        cancelled = self._drop_cancelled()
         rows, counts, copies, preempted = self._schedule()
         if not rows:
             if self.waiting:
                 raise UserError("no request fits the paged KV pool", "give the batcher more pages")
-            return StepOutput((), {}, (), tuple(preempted), 0)
+            return StepOutput((), {}, tuple(cancelled), tuple(preempted), 0, pages_used=self.pages_used)
         width = max(counts)
         ids = np.zeros((len(rows), width), np.int64)
         for r, (req, n) in enumerate(zip(rows, counts)):
             ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
-        self.pool.copy_pages(copies)
+        self.model.copy_pages(copies)
         starts = [req.num_computed for req in rows]
         step = build_step(self.manager, [req.request_id for req in rows], starts, counts, width)
-        self.pool.prepare(step)
-        logits = self.engine.forward(ids, np.ones_like(ids), step.position_ids, self.pool)  # [B, S, V]
-        new_tokens, finished = {}, []
+        picks, sampled = [], []
         for r, (req, n) in enumerate(zip(rows, counts)):
+            if req.num_computed + n == len(req.tokens):  # the prompt is all computed: sample a token
+                penalty = req.sampling.repetition_penalty != 1.0
+                picks.append(Pick(r, n - 1, req.sampling, req.seed, len(req.output), req.tokens if penalty else None))
+                sampled.append(req)
+        tokens = self.model.run(ids, step, picks)
+        now = time.perf_counter()
+        for req, n in zip(rows, counts):
             req.num_computed += n
             self.manager.cache_blocks(req.request_id, req.tokens, req.num_computed)
-            if req.num_computed < len(req.tokens):
-                continue  # mid-prompt chunk: nothing to sample yet
-            seen = [np.asarray(req.tokens)] if req.sampling.repetition_penalty != 1.0 else None
-            token = int(sample(logits[r, n - 1][None], req.sampling, req.rng, seen)[0])
-            req.output.append(token)
-            new_tokens[req.request_id] = token
-            if token in req.stop_token_ids or len(req.output) >= req.max_new_tokens:
-                req.finish_reason = "stop" if token in req.stop_token_ids else "length"
-                self.manager.free(req.request_id)
-                self.running.remove(req)
-                self.finished[req.request_id] = req
-                finished.append(req.request_id)
+        new_tokens, finished = {}, list(cancelled)
+        for req, token in zip(sampled, tokens):
+            req.output.append(int(token))
+            if req.first_token_at is None:
+                req.first_token_at = now
+            new_tokens[req.request_id] = int(token)
+            stop = self._stop_string(req)
+            if token in req.stop_token_ids:
+                self._finish(req, "stop", int(token))
+            elif stop is not None:
+                self._finish(req, "stop", stop)
+            elif len(req.output) >= req.max_new_tokens:
+                self._finish(req, "length")
+            else:
+                continue
+            finished.append(req.request_id)
         return StepOutput(tuple(r.request_id for r in rows), new_tokens, tuple(finished), tuple(preempted),
-                          int(sum(counts)))
+                          int(sum(counts)), width, self.pages_used, time.perf_counter() - start,
+                          int(sum(starts) + sum(counts)))
+
+    def _stop_string(self, req: Request) -> str | None:
+        """The first stop string in the output's text that the last token may have completed: only the
+        tail is decoded (a token is at least one character, save special tokens: 8 spare)."""
+        if not req.stop_strings:
+            return None
+        text = self.decode(req.output[-(max(len(s) for s in req.stop_strings) + 8):])
+        hits = [(text.find(s), s) for s in req.stop_strings if s in text]
+        return min(hits)[1] if hits else None

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Sequence
 
 from enginesmith.core import engine_dir
-from enginesmith.core.errors import EngineError
+from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import Manifest
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.core.io_names import GQA_IO
 from enginesmith.runtime.ort_cuda import kv_rows, open_gqa_engine
+from enginesmith.runtime.kv_paged import OrtPagedModel
 from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
 from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.tokenizer import Tokenizer
@@ -65,3 +66,19 @@ def open_engine(path: str | Path, device: str = "auto", threads: int | None = No
                           f"install onnxruntime {built}, or {engine_dir.rebuild_fix(path, manifest.raw)}") from None
     tokenizer = Tokenizer(path / "tokenizer")
     return LoadedEngine(path, manifest, engine, tokenizer)
+
+
+def paged_model(loaded: LoadedEngine, num_pages: int | None = None, memory_bytes: int = 1 << 30):
+    """The PagedModel the ContinuousBatcher drives for an opened paged engine: the CUDA paged engine
+    itself, or a plain ONNX Runtime paged graph with a pool of `num_pages` (default: what fits in
+    `memory_bytes`). A UserError for an engine without paged KV."""
+    engine = loaded.engine
+    if getattr(engine, "is_paged_model", False):
+        return engine
+    if loaded.manifest.kv_layout.type != "paged" or not isinstance(engine, OrtEngine):
+        raise UserError(f"{loaded.path} has no paged KV cache, which serving many requests at once needs",
+                        "build it with --kv paged (and --for-cuda for the GPU engine)")
+    page_size = int(loaded.manifest.kv_layout.page_size or 16)
+    per_page = len(engine.past_names) * page_size * engine.kv_heads * engine.head_dim * 4  # K and V, fp32 bound
+    pages = num_pages or max(2, min(1 << 16, memory_bytes // max(per_page, 1)))
+    return OrtPagedModel(engine, pages, loaded.manifest.kv_layout.capacity)

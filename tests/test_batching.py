@@ -11,6 +11,7 @@ import pytest
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.kv_paged import OrtPagedModel
 from enginesmith.runtime.ort_engine import OrtEngine
 from test_kv_paged import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
 
@@ -48,7 +49,7 @@ def run_checked(batcher: ContinuousBatcher) -> list:
     while batcher.has_unfinished:
         steps.append(batcher.step())
         batcher.manager.check_invariants()
-    assert batcher.manager.seqs == {} and batcher.manager.num_free_blocks == batcher.pool.num_pages - 1
+    assert batcher.manager.seqs == {} and batcher.manager.num_free_blocks == batcher.model.num_pages - 1
     return steps
 
 
@@ -58,7 +59,7 @@ def test_batched_output_equals_each_request_alone(family, page_size, engines):
     rng = np.random.default_rng(0)
     lengths, budgets = (1, 30, 7, 19, 3, 12, 25), (9, 4, 14, 6, 11, 8, 5)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
-    batcher = ContinuousBatcher(paged_engine, num_pages=64, config=SchedulerConfig(max_batch=3, max_tokens=16, chunk=8))
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 64), config=SchedulerConfig(max_batch=3, max_tokens=16, chunk=8))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     for rid, prompt, budget in zip(ids, prompts, budgets):
@@ -78,7 +79,7 @@ def test_prefix_sharing_and_preemption_keep_outputs_exact(engines):
     prompts = [system + rng.integers(0, VOCAB, n).tolist() for n in (2, 5, 1, 9)] + [rng.integers(0, VOCAB, 6).tolist()]
     budgets = [12, 10, 14, 9, 12]
     # 12 usable pages of 4 tokens: not enough for everything at once -> preemption (recompute).
-    batcher = ContinuousBatcher(paged_engine, num_pages=13, config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32))
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 13), config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     requests = [batcher.finished[r] for r in ids]
@@ -94,7 +95,7 @@ def test_stop_tokens_finish_a_request_early(engines):
     reference = alone(dense, prompt, 8)
     stop = reference[3]
     cut = reference.index(stop)
-    batcher = ContinuousBatcher(paged_engine, num_pages=16)
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 16))
     rid = batcher.add_request(prompt, 8, stop_token_ids=[stop])
     other = batcher.add_request([1, 2, 3], 6)
     run_checked(batcher)
@@ -105,8 +106,8 @@ def test_stop_tokens_finish_a_request_early(engines):
 def test_bad_requests_and_settings_are_refused(engines):
     dense, paged_engine = engines("llama", 4)
     with pytest.raises(UserError, match="no paged KV layout"):
-        ContinuousBatcher(dense, num_pages=16)
-    batcher = ContinuousBatcher(paged_engine, num_pages=4)
+        ContinuousBatcher(OrtPagedModel(dense, 16))
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 4))
     with pytest.raises(UserError, match="empty prompt"):
         batcher.add_request([], 4)
     with pytest.raises(UserError, match="needs 5 pages; the pool has 3"):

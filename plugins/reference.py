@@ -1,13 +1,14 @@
-"""PyTorch references (the oracles of the plugin tests) for the kernels in plugins/.
+"""PyTorch and numpy references (the oracles of the plugin tests) for the kernels in plugins/.
 
-Dimension legend: B sequences, Sq query tokens, H query heads, Hkv KV heads, G = H // Hkv,
-D head size, BS page size, NB pages, MB pages per sequence, T new tokens.
+Dimension legend: B sequences, Sq (S) query tokens, H query heads, Hkv KV heads, G = H // Hkv,
+D head size, BS page size, NB pages, MB pages per sequence, T new tokens, P rotary positions.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -42,6 +43,64 @@ def write_kv(key, value, slot_mapping, k_cache, v_cache) -> None:
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
+
+
+def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping, cos_cache,
+                                sin_cache, num_heads: int, kv_num_heads: int, scale: float = 0.0):
+    """numpy reference of com.enginesmith.PagedGroupQueryAttention (plugins/ort_ops/paged_gqa.h).
+
+    qkv [B, S, (H + 2 Hkv) D] fp16; key_pool/value_pool [NB, BS, Hkv, D] fp16; block_tables [B, MB],
+    context_lens [B], slot_mapping [B, S] int32 (-1: a padding column); cos_cache/sin_cache [P, D/2]
+    fp16. Column s of row b sits at p = context_lens[b] - S + s; q and k are rotated there (half-split,
+    rounded to fp16), the new K/V go to their slots, and the column attends to positions 0..p (fp32).
+    Returns (out [B, S, H D] fp16, key_pool, value_pool): new arrays, the inputs are left as they are.
+    Padding columns get zeros. Bad data gives the row NaN: a length outside [S, MB BS] or a real column
+    beyond the rotary tables (nothing of the row written), a page index outside [0, NB) at a position
+    < context_lens[b], or a slot that is not its position's (that slot not written).
+    """
+    B, S, width = qkv.shape
+    H, Hkv = num_heads, kv_num_heads
+    D = width // (H + 2 * Hkv)
+    half, G = D // 2, H // Hkv
+    NB, BS = key_pool.shape[:2]
+    MB, P = block_tables.shape[1], cos_cache.shape[0]
+    scale = np.float32(scale or 1.0 / math.sqrt(D))
+    k_pool, v_pool = key_pool.copy(), value_pool.copy()
+    k_slots, v_slots = k_pool.reshape(NB * BS, Hkv, D), v_pool.reshape(NB * BS, Hkv, D)  # views
+    heads = qkv.reshape(B, S, H + 2 * Hkv, D)
+    out = np.zeros((B, S, H, D), np.float16)
+
+    def rotate(x, pos):  # x [n, heads, D] fp16 at positions pos [n] -> fp16
+        c = cos_cache[pos].astype(np.float32)[:, None, :]
+        s = sin_cache[pos].astype(np.float32)[:, None, :]
+        x1, x2 = x[..., :half].astype(np.float32), x[..., half:].astype(np.float32)
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float16)
+
+    for b in range(B):
+        ctx, slots, table = int(context_lens[b]), slot_mapping[b].astype(np.int64), block_tables[b].astype(np.int64)
+        pos = ctx - S + np.arange(S)
+        real = slots != -1
+        if ctx < S or ctx > MB * BS or (real & (pos >= P)).any():
+            out[b] = np.nan
+            continue
+        mine = table[pos // BS] * BS + pos % BS
+        good = real & (slots >= 0) & (slots < NB * BS) & (slots == mine)
+        k_slots[slots[good]] = rotate(heads[b, good, H:H + Hkv], pos[good])
+        v_slots[slots[good]] = heads[b, good, H + Hkv:]
+        pages = table[: (ctx + BS - 1) // BS]
+        if (real & ~good).any() or ((pages < 0) | (pages >= NB)).any():
+            out[b] = np.nan
+            continue
+        cached = np.arange(ctx)
+        at = table[cached // BS] * BS + cached % BS
+        k = np.repeat(k_slots[at].astype(np.float32), G, axis=1)  # [ctx, H, D]
+        v = np.repeat(v_slots[at].astype(np.float32), G, axis=1)
+        q = rotate(heads[b, real, :H], pos[real]).astype(np.float32)  # [n, H, D]
+        scores = np.einsum("nhd,thd->nht", q, k) * scale
+        scores = np.where(cached[None, None, :] > pos[real][:, None, None], -np.inf, scores)  # causal
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b, real] = (np.einsum("nht,thd->nhd", w, v) / w.sum(-1)[..., None]).astype(np.float16)
+    return out.reshape(B, S, H * D), k_pool, v_pool
 
 
 def prune_24_magnitude(weight: torch.Tensor) -> torch.Tensor:

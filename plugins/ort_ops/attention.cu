@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "launch.cuh"
+#include "rotary.cuh"
 
 namespace enginesmith {
 namespace {
@@ -28,21 +29,6 @@ __host__ __device__ constexpr int warps_for(int D, int R) { return D == 64 && R 
 __host__ __device__ constexpr int min_keys_per_split(int D, int R) { return warps_for(D, R) * kKeyTile; }
 constexpr int kMaxSplits = 64;
 constexpr float kLog2e = 1.4426950408889634f;
-
-__host__ __device__ __forceinline__ float round_half(float v) { return __half2float(__float2half_rn(v)); }
-
-// The half-split rotation of the pair (x1, x2) = (x[i], x[i + D/2]) at a position with (cos, sin),
-// rounded to fp16. No fused multiply-add on either side, so host and device round alike.
-__host__ __device__ __forceinline__ void rotate(float x1, float x2, float c, float s, float& y1, float& y2) {
-#ifdef __CUDA_ARCH__
-  y1 = round_half(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-  y2 = round_half(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
-#else
-  const float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
-  y1 = round_half(a - b);
-  y2 = round_half(e + f);
-#endif
-}
 
 __device__ __forceinline__ void to_floats(const uint4& v, float f[8]) {
   const __half2* h = reinterpret_cast<const __half2*>(&v);

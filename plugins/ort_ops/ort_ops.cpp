@@ -14,7 +14,12 @@
 //   GroupQueryAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
 //                       sin_cache; num_heads, kv_num_heads, scale) -> output, present_key, present_value
 // (com.microsoft.GroupQueryAttention's inputs without the unused key/value, packed QKV, rotary always
-// on, past and present one buffer: with another present buffer, past is copied into it first).
+// on, past and present one buffer: with another present buffer, past is copied into it first),
+// and its paged twin for the in-flight-batching engine (see paged_gqa.h):
+//   PagedGroupQueryAttention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping,
+//                            cos_cache, sin_cache; num_heads, kv_num_heads, scale)
+//                            -> output, present_key_pool, present_value_pool
+// (the pools written in place at the new tokens' slots; another present buffer gets a copy first).
 //
 // Each op has a CUDA kernel (CUDAExecutionProvider, on ORT's compute stream, so it can be captured in
 // a CUDA graph) and a CPU kernel (the reference, so the graph runs and is checked on ORT CPU).
@@ -30,6 +35,8 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -41,6 +48,7 @@
 #include "gemv.h"
 #include "launch.cuh"
 #include "ort_abi.h"
+#include "paged_gqa.h"
 
 using namespace ortabi;
 using enginesmith::AttentionProblem;
@@ -52,6 +60,19 @@ const Api* g_api = nullptr;
 // fp16: the GEMV kernel turns compute-bound past ~4 rows (H200, batch 16: 5.6k tok/s on it, 12.7k on
 // cuBLAS).
 constexpr int kCublasMinRows = 5;
+
+// ES_BATCH_INVARIANT=1 (read once, at the first kernel's creation): every row's result is independent
+// of how many rows share the call, as a request's greedy tokens alone and batched then are. The GEMV
+// kernel serves every row count (its per-row sums do not depend on M; cuBLAS picks kernels and split-K
+// by M), and the paged attention splits keys as a one-row, one-token call would (the split count
+// depends only on the graph's shapes). Costs speed at large batches; off by default.
+bool batch_invariant() {
+  static const bool on = [] {
+    const char* v = std::getenv("ES_BATCH_INVARIANT");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
 constexpr size_t kCublasWorkspace = 32 << 20;  // bytes
 
 enum class Norm { kNone, kRms, kSkipRms };
@@ -64,19 +85,23 @@ struct OpDef {
   Norm norm;
   bool cuda;
   bool attention;  // GroupQueryAttention (the other fields are the GEMVs')
+  bool paged;      // PagedGroupQueryAttention
 };
 
 // GroupQueryAttention's inputs and outputs; total_sequence_length is read on the host.
 constexpr size_t kAttentionInputs = 7, kAttentionOutputs = 3, kTotalLengthInput = 4;
+// PagedGroupQueryAttention's; inputs 3, 4, 5 (block_tables, context_lens, slot_mapping) are int32.
+constexpr size_t kPagedInputs = 8, kPagedOutputs = 3;
 
 // GEMV inputs: x, then skip (SkipRmsNorm) and gamma (both norms), then the weights.
 size_t norm_inputs(const OpDef& d) { return d.norm == Norm::kSkipRms ? 2 : d.norm == Norm::kRms ? 1 : 0; }
 size_t first_weight(const OpDef& d) { return 1 + norm_inputs(d); }
 size_t input_count(const OpDef& d) {
+  if (d.paged) return kPagedInputs;
   return d.attention ? kAttentionInputs : first_weight(d) + (d.q4 ? 2 : 1) * (d.swiglu ? 2 : 1);
 }
 size_t output_count(const OpDef& d) {
-  return d.attention ? kAttentionOutputs : d.norm == Norm::kSkipRms ? 2 : 1;
+  return d.paged ? kPagedOutputs : d.attention ? kAttentionOutputs : d.norm == Norm::kSkipRms ? 2 : 1;
 }
 
 struct Kernel {
@@ -84,16 +109,17 @@ struct Kernel {
   const OpDef* def;
   int64_t K = 0, N = 0, block_size = 0;  // int4 ops: from the node's attributes
   float eps = 0.f;                        // norm ops: the epsilon attribute
-  // GroupQueryAttention: attributes, the device's multiprocessors, whether launches are dependent, and
-  // the split workspace. It grows outside captures only, and a grown-out buffer is kept until the
-  // kernel goes: a CUDA graph captured earlier (another step shape) still launches on it.
+  // GroupQueryAttention and PagedGroupQueryAttention: attributes, the device's multiprocessors, whether
+  // launches are dependent, and the workspace (GQA: split partials; paged: scratch + split partials,
+  // one buffer) and split counters. It grows outside captures only, and a grown-out buffer is kept
+  // until the kernel goes: a CUDA graph captured earlier (another step shape) still launches on it.
   int64_t heads = 0, kv_heads = 0;
   float scale = 0.f;
   int sms = 0;
   bool dependent = false;
-  float* partials = nullptr;
+  void* workspace = nullptr;
   int32_t* counters = nullptr;
-  size_t partial_floats = 0, counter_count = 0;
+  size_t workspace_bytes = 0, counter_count = 0;
   std::vector<void*> buffers;  // every workspace buffer allocated, freed with the kernel
   std::mutex mu;
 
@@ -200,7 +226,7 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
   ORT_TRY(g_api->KernelContextGetGPUComputeStream(ctx, &stream_ptr));
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   (void)cudaGetLastError();  // a launch is judged on its own error only
-  if (p.M < kCublasMinRows) return cuda_status(k, enginesmith::gemv_launch(p, stream));
+  if (p.M < kCublasMinRows || batch_invariant()) return cuda_status(k, enginesmith::gemv_launch(p, stream));
   // GEMM path, with stream-ordered temporaries (capturable): the normalized x of a norm op, the up
   // product of a SwiGLU, a slice of dequantized int4 weights.
   const int nw = p.swiglu ? 2 : 1;
@@ -235,7 +261,33 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
   return status ? status : cuda_status(k, err);
 }
 
-// ---- GroupQueryAttention.
+// ---- GroupQueryAttention and PagedGroupQueryAttention.
+// Grows the node's workspace to `bytes` and its split counters to `counters` (zeroed), at least
+// doubling, with floors (1 MiB, 1024) so that few shapes ever grow them. Only outside a CUDA-graph
+// capture; the buffers grown out stay allocated until the kernel goes (a graph captured earlier still
+// launches on them). The caller holds k.mu.
+OrtStatus* grow_workspace(Kernel& k, size_t bytes, size_t counters, cudaStream_t stream) {
+  if (bytes <= k.workspace_bytes && counters <= k.counter_count) return nullptr;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
+    return error(k.def->name + ": its workspace must grow inside a CUDA-graph capture; run this shape once before capturing");
+  bytes = std::max({bytes, 2 * k.workspace_bytes, size_t(1) << 20});
+  counters = std::max({counters, 2 * k.counter_count, size_t(1024)});
+  void* buffer = nullptr;
+  int32_t* counts = nullptr;
+  cudaError_t err = cudaMalloc(&buffer, bytes);
+  if (err == cudaSuccess) k.buffers.push_back(buffer);
+  if (err == cudaSuccess && (err = cudaMalloc(&counts, counters * sizeof(int32_t))) == cudaSuccess)
+    k.buffers.push_back(counts);
+  if (err == cudaSuccess) err = cudaMemsetAsync(counts, 0, counters * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return cuda_status(k, err);
+  k.workspace = buffer;
+  k.counters = counts;
+  k.workspace_bytes = bytes;
+  k.counter_count = counters;
+  return nullptr;
+}
+
 OrtStatus* output_like(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, void** data) {
   OrtValue* v = nullptr;
   ORT_TRY(g_api->KernelContextGetOutput(ctx, i, dims.data(), dims.size(), &v));
@@ -304,30 +356,108 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   enginesmith::AttentionPlan plan = enginesmith::attention_plan(p, k.sms);
   plan.dependent = k.dependent;
   std::lock_guard<std::mutex> lock(k.mu);  // one workspace per node: launches in order, growth in between
-  if (plan.partial_floats > k.partial_floats || plan.counters > k.counter_count) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone)
-      return error(op + ": its workspace must grow inside a CUDA-graph capture; run this shape once before capturing");
-    // at least 1 MiB of partials: few shapes then ever grow it
-    const size_t floats = std::max({plan.partial_floats, 2 * k.partial_floats, size_t(1) << 18});
-    const size_t counters = std::max({plan.counters, 2 * k.counter_count, size_t(1024)});
-    float* partials = nullptr;
-    int32_t* counts = nullptr;
-    if ((err = cudaMalloc(&partials, floats * sizeof(float))) == cudaSuccess) k.buffers.push_back(partials);
-    if (err == cudaSuccess && (err = cudaMalloc(&counts, counters * sizeof(int32_t))) == cudaSuccess)
-      k.buffers.push_back(counts);
-    if (err == cudaSuccess) err = cudaMemsetAsync(counts, 0, counters * sizeof(int32_t), stream);
-    if (err != cudaSuccess) return cuda_status(k, err);
-    k.partials = partials;
-    k.counters = counts;
-    k.partial_floats = floats;
-    k.counter_count = counters;
+  ORT_TRY(grow_workspace(k, plan.partial_floats * sizeof(float), plan.counters, stream));
+  return cuda_status(k, enginesmith::attention_launch(p, plan, static_cast<float*>(k.workspace), k.counters, stream));
+}
+
+// ---- PagedGroupQueryAttention.
+std::string type_name(ElementType t) {
+  return t == kFloat16 ? "float16" : t == kInt32 ? "int32" : t == kFloat ? "float32" : "type " + std::to_string(t);
+}
+
+std::string dims_text(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// One input against the type and shape the op expects (-1 in `want`: any size); `legend` names the
+// dimensions for the message.
+OrtStatus* expect(const std::string& op, const char* name, const Tensor& t, ElementType type,
+                  const std::vector<int64_t>& want, const std::string& legend) {
+  bool ok = t.type == type && t.dims.size() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = want[i] < 0 || t.dims[i] == want[i];
+  if (ok) return nullptr;
+  return error(op + ": " + name + " must be " + type_name(type) + " " + legend + ", got " + type_name(t.type) + " " +
+               dims_text(t.dims));
+}
+
+OrtStatus* compute_paged_attention(Kernel& k, OrtKernelContext* ctx) {
+  const std::string& op = k.def->name;
+  std::vector<Tensor> in(kPagedInputs);
+  for (size_t i = 0; i < in.size(); ++i) ORT_TRY(read_input(ctx, i, &in[i]));
+  const Tensor &qkv = in[0], &key_pool = in[1], &value_pool = in[2], &tables = in[3], &lens = in[4], &slots = in[5],
+               &cos = in[6], &sin = in[7];
+  enginesmith::PagedGqaProblem p;
+  p.H = int(k.heads);
+  p.Hkv = int(k.kv_heads);
+  const auto n = [](int64_t v) { return std::to_string(v); };
+  const int64_t heads = p.H + 2 * p.Hkv;
+  if (qkv.type != kFloat16 || qkv.dims.size() != 3 || qkv.dims[2] % heads != 0)
+    return error(op + ": qkv must be float16 [batch, seq, (num_heads + 2 kv_num_heads) * head_size] with num_heads = " +
+                 n(p.H) + ", kv_num_heads = " + n(p.Hkv) + ", got " + type_name(qkv.type) + " " + dims_text(qkv.dims));
+  p.B = int(qkv.dims[0]);
+  p.S = int(qkv.dims[1]);
+  p.D = int(qkv.dims[2] / heads);
+  const std::string pool = "[num_blocks, block_size, kv_num_heads = " + n(p.Hkv) + ", head_size = " + n(p.D) + "]";
+  ORT_TRY(expect(op, "key_pool", key_pool, kFloat16, {-1, -1, p.Hkv, p.D}, pool));
+  ORT_TRY(expect(op, "value_pool", value_pool, kFloat16, key_pool.dims,
+                 "with key_pool's shape " + dims_text(key_pool.dims)));
+  p.NB = int(key_pool.dims[0]);
+  p.BS = int(key_pool.dims[1]);
+  ORT_TRY(expect(op, "block_tables", tables, kInt32, {p.B, -1}, "[batch = " + n(p.B) + ", max_blocks_per_seq]"));
+  p.MB = int(tables.dims[1]);
+  ORT_TRY(expect(op, "context_lens", lens, kInt32, {p.B}, "[batch = " + n(p.B) + "]"));
+  ORT_TRY(expect(op, "slot_mapping", slots, kInt32, {p.B, p.S}, "[batch = " + n(p.B) + ", seq = " + n(p.S) + "]"));
+  ORT_TRY(expect(op, "cos_cache", cos, kFloat16, {-1, p.D / 2}, "[positions, head_size / 2 = " + n(p.D / 2) + "]"));
+  ORT_TRY(expect(op, "sin_cache", sin, kFloat16, cos.dims, "with cos_cache's shape " + dims_text(cos.dims)));
+  p.P = int(cos.dims[0]);
+  p.scale = k.scale > 0.f ? k.scale : 1.f / std::sqrt(float(p.D));
+  p.qkv = static_cast<const __half*>(qkv.data);
+  p.block_tables = static_cast<const int32_t*>(tables.data);
+  p.context_lens = static_cast<const int32_t*>(lens.data);
+  p.slot_mapping = static_cast<const int32_t*>(slots.data);
+  p.cos = static_cast<const __half*>(cos.data);
+  p.sin = static_cast<const __half*>(sin.data);
+  if (p.B > 0 && p.S > 0)
+    if (const std::string why = enginesmith::paged_gqa_check(p); !why.empty()) return error(op + ": " + why);
+  void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
+  ORT_TRY(output_like(ctx, 0, {p.B, p.S, int64_t(p.H) * p.D}, &out));
+  ORT_TRY(output_like(ctx, 1, key_pool.dims, &present_k));
+  ORT_TRY(output_like(ctx, 2, value_pool.dims, &present_v));
+  p.out = static_cast<__half*>(out);
+  p.key_pool = static_cast<__half*>(present_k);
+  p.value_pool = static_cast<__half*>(present_v);
+  size_t pool_bytes = sizeof(__half);
+  for (int64_t d : key_pool.dims) pool_bytes *= size_t(d);
+  const std::pair<void*, const void*> copies[] = {{present_k, key_pool.data}, {present_v, value_pool.data}};
+  if (!k.def->cuda) {
+    for (auto [dst, src] : copies)
+      if (dst != src) std::memcpy(dst, src, pool_bytes);
+    if (p.B > 0 && p.S > 0) enginesmith::paged_gqa_reference(p);
+    return nullptr;
   }
-  return cuda_status(k, enginesmith::attention_launch(p, plan, k.partials, k.counters, stream));
+  void* stream_ptr = nullptr;
+  ORT_TRY(g_api->KernelContextGetGPUComputeStream(ctx, &stream_ptr));
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  (void)cudaGetLastError();
+  cudaError_t err = cudaSuccess;
+  for (auto [dst, src] : copies)
+    if (dst != src && err == cudaSuccess) err = cudaMemcpyAsync(dst, src, pool_bytes, cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess) return cuda_status(k, err);
+  if (p.B == 0 || p.S == 0) return nullptr;
+  enginesmith::PagedGqaPlan plan;
+  enginesmith::Status st = enginesmith::paged_gqa_plan(p, &plan, batch_invariant());
+  plan.dependent = k.dependent;
+  std::lock_guard<std::mutex> lock(k.mu);  // one workspace per node: launches in order, growth in between
+  if (st.ok) ORT_TRY(grow_workspace(k, plan.scratch_bytes, size_t(plan.counters), stream));
+  if (st.ok) st = enginesmith::paged_gqa_launch(p, plan, k.workspace, k.counters, stream);
+  return st.ok ? nullptr : error(op + ": " + st.message);
 }
 
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
   Kernel& k = *static_cast<Kernel*>(kernel_ptr);
+  if (k.def->paged) return compute_paged_attention(k, ctx);
   if (k.def->attention) return compute_attention(k, ctx);
   const OpDef& d = *k.def;
   const std::string& op = d.name;  // strings are built only on the error paths
@@ -406,18 +536,25 @@ const OpDef& def_of(const CustomOp* op) { return *reinterpret_cast<const OpDef*>
 
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
   const OpDef& d = def_of(op);
-  if (d.cuda && !d.attention) {  // the GEMVs' launch setting and cuBLAS: at session start, not in a capture
+  if (d.cuda && !d.attention && !d.paged) {  // the GEMVs' launch setting and cuBLAS: at session start, not in a capture
     enginesmith::gemv_prepare();
     cublas();
   }
   auto kernel = new Kernel(&d);
-  if (d.attention) {
+  if (d.attention || d.paged) {
     OrtStatus* s = g_api->KernelInfoGetAttributeInt64(info, "num_heads", &kernel->heads);
     if (!s) s = g_api->KernelInfoGetAttributeInt64(info, "kv_num_heads", &kernel->kv_heads);
     if (!s) s = g_api->KernelInfoGetAttributeFloat(info, "scale", &kernel->scale);
+    if (s && d.paged) {  // optional there: 0 (the default) means 1 / sqrt(head_size)
+      g_api->ReleaseStatus(s);
+      s = nullptr;
+      kernel->scale = 0.f;
+    }
     if (!s && (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads != 0))
       s = error(d.name + ": num_heads must be a positive multiple of kv_num_heads");
-    if (!s && !(kernel->scale > 0.f)) s = error(d.name + ": scale must be positive");
+    if (!s && d.attention && !(kernel->scale > 0.f)) s = error(d.name + ": scale must be positive");
+    if (!s && d.paged && !(kernel->scale >= 0.f && std::isfinite(kernel->scale)))
+      s = error(d.name + ": scale must be positive, or 0 for 1 / sqrt(head_size)");
     if (!s && d.cuda) {
       int device = 0;
       if (cudaGetDevice(&device) != cudaSuccess ||
@@ -477,17 +614,20 @@ void compute_v1(void* kernel, OrtKernelContext* ctx) {
 
 ElementType input_type(const CustomOp* op, size_t i) {
   const OpDef& d = def_of(op);
+  if (d.paged) return (i >= 3 && i <= 5) ? kInt32 : kFloat16;  // block_tables, context_lens, slot_mapping
   if (d.attention) return (i == 3 || i == kTotalLengthInput) ? kInt32 : kFloat16;
   if (i < first_weight(d) || !d.q4) return kFloat16;
   return ((i - first_weight(d)) % 2 == 0) ? kUint8 : kFloat16;  // B, scales, B, scales
 }
 
-OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false) {
+OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false, bool paged = false) {
   OpDef d{};
-  d.name = attention ? std::string("GroupQueryAttention")
-                     : std::string(norm == Norm::kSkipRms ? "SkipRmsNorm" : norm == Norm::kRms ? "RmsNorm" : "") +
+  d.name = paged       ? std::string("PagedGroupQueryAttention")
+           : attention ? std::string("GroupQueryAttention")
+                       : std::string(norm == Norm::kSkipRms ? "SkipRmsNorm" : norm == Norm::kRms ? "RmsNorm" : "") +
                            (swiglu ? "SwiGluGemv" : "Gemv") + (q4 ? "Q4" : "");
   d.attention = attention;
+  d.paged = paged;
   d.q4 = q4;
   d.swiglu = swiglu;
   d.norm = norm;
@@ -529,6 +669,7 @@ std::vector<OpDef>& ops() {
         for (bool swiglu : {false, true})
           for (bool q4 : {false, true}) v.push_back(make(swiglu, q4, norm, cuda));
     for (bool cuda : {false, true}) v.push_back(make(false, false, Norm::kNone, cuda, true));
+    for (bool cuda : {false, true}) v.push_back(make(false, false, Norm::kNone, cuda, false, true));
     return v;
   }();
   return all;

@@ -25,14 +25,16 @@ from enginesmith.build import jetson
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
-from enginesmith.core.io_names import GQA_IO, MAX_CUDA_BATCH
+from enginesmith.core.io_names import GQA_IO, MAX_CUDA_BATCH, PAGED_GQA_IO
 from enginesmith.core.paths import cache_dir
 from enginesmith.models import load as models
 from enginesmith.plugins import ort_ops
+from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 KV_LAYOUTS = ("dense", "ring", "paged")
 PAGE_SIZE = 16                 # "paged" default: tokens per KV page
+PAGED_MAX_BATCH = 64           # ort-cuda paged: default most rows per step (kv_layout.max_batch)
 # fields added after the first cache keys: in a key only when they differ from the default
 _LATER_FIELDS = ("page_size", "accuracy_level", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
                  "trt_version", "capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention")
@@ -44,8 +46,9 @@ class BuildConfig:
     """What to build: the model, the target, and the passes; validated once, here (`validate`).
 
     target "ort-cpu": ONNX Runtime (CPU, or CUDA through the plain graph); "ort-cuda": ORT CUDA's
-    fast decode path (runtime.ort_cuda.GqaEngine: GroupQueryAttention on shared KV buffers, fp16/bf16);
-    "trt": a TensorRT plan (build/trt.py)."""
+    fast decode path (runtime.ort_cuda.GqaEngine: GroupQueryAttention on shared KV buffers, fp16/bf16),
+    or with kv_layout "paged" the in-flight batching engine (PagedGroupQueryAttention on page pools: fp16,
+    enginesmith's ORT ops); "trt": a TensorRT plan (build/trt.py)."""
     model: str | None = None     # see models.load.resolve
     target: str = "ort-cpu"      # "ort-cpu" | "ort-cuda" | "trt"
     dtype: str = "fp32"
@@ -63,8 +66,9 @@ class BuildConfig:
     calib_samples: int = 32
     accuracy_level: int = 0      # ORT MatMulNBits: 0 = fp activations, 4 = int8 activations (faster on CPU)
     # ort-cuda: KV positions (None = the model's context), KV rows the runtime allocates (recorded as
-    # kv_layout.max_batch), the lm_head int4 too, the decode GEMVs (and the attention) as enginesmith's
-    # ORT custom ops (None: when libenginesmith_ort_ops.so is built; True: required)
+    # kv_layout.max_batch; paged: most rows per step, default PAGED_MAX_BATCH), the lm_head int4 too,
+    # the decode GEMVs (and the attention) as enginesmith's ORT custom ops (None: when
+    # libenginesmith_ort_ops.so is built, always for paged; True: required)
     capacity: int | None = None
     max_batch: int | None = None
     quantize_lm_head: bool = False
@@ -77,6 +81,11 @@ class BuildConfig:
 
     def __post_init__(self):
         self.validate()
+
+    @property
+    def needs_ort_ops(self) -> bool:
+        """Whether an ort-cuda engine must have enginesmith's ORT ops (asked for, or the paged attention)."""
+        return self.target == "ort-cuda" and bool(self.custom_ops or self.custom_attention or self.kv_layout == "paged")
 
     @property
     def backend(self) -> str:
@@ -110,7 +119,7 @@ class BuildConfig:
                                                 if self.max_batch is not None else ""))
 
     def _validate_cuda(self) -> None:
-        refuse = [(self.kv_layout != "dense", f"--kv {self.kv_layout}"), (self.passes is not None, "--passes"),
+        refuse = [(self.kv_layout == "ring", "--kv ring"), (self.passes is not None, "--passes"),
                   (self.preset is not None, "--preset"), (self.trt is not None, "--backend trt"),
                   (self.trt_version is not None, "--trt-version"),
                   (self.quant not in (None, "w4a16-rtn"), f"--quant {self.quant}"),
@@ -124,11 +133,26 @@ class BuildConfig:
                             "add --quant w4a16-rtn, or drop --quantize-lm-head")
         if self.max_batch is not None and not 1 <= self.max_batch <= MAX_CUDA_BATCH:
             raise UserError(f"--max-batch {self.max_batch} is outside 1..{MAX_CUDA_BATCH}",
-                            "use the most sequences you will run at once (each holds a full-capacity KV row)")
+                            "use the most sequences you will run at once" + (
+                                " in one step" if self.kv_layout == "paged" else " (each holds a full-capacity KV row)"))
         if self.capacity is not None and self.capacity < 1:
             raise UserError(f"KV capacity {self.capacity} is not a positive number of positions", "e.g. 2048")
         if self.custom_attention and self.custom_ops is False:
             raise UserError("--custom-attention needs the custom ops", "drop --custom-ops off")
+        if self.kv_layout == "paged":
+            self._validate_cuda_paged()
+
+    def _validate_cuda_paged(self) -> None:
+        if self.dtype != "fp16":
+            raise UserError(f"--for-cuda --kv paged runs enginesmith's paged attention op, which is fp16 "
+                            f"(got --dtype {self.dtype})", "use --dtype fp16, or drop --kv paged for a dense engine")
+        if self.custom_ops is False:
+            raise UserError("--for-cuda --kv paged needs the custom ops (its attention is enginesmith's paged "
+                            "attention op)", "drop --custom-ops off, or drop --kv paged for a dense engine")
+        sizes = kernel_limits()["paged_attention"]["block_sizes"]  # the op's kernels' (plugins/limits.json)
+        if self.page_size not in sizes:
+            raise UserError(f"--page-size {self.page_size} is not one the paged attention op takes",
+                            f"use --page-size {', '.join(map(str, sizes))}")
 
     def key(self, source_sha: str) -> str:
         """Cache key of the engine this config builds from a source."""
@@ -184,7 +208,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache)."""
     ort = require_onnxruntime()  # missing or mixed ONNX Runtime: one line before minutes of export
     trt_version = _check_tensorrt(config) if config.target == "trt" else None  # before minutes of export
-    if config.target == "ort-cuda" and (config.custom_ops or config.custom_attention):
+    if config.needs_ort_ops:
         ort_ops.require()  # compiled here on first use, or a one-line reason why it cannot be
     if config.target == "ort-cuda":  # the plain engine (cached), lowered into `out`
         with engine_dir.write_atomically(
@@ -304,13 +328,16 @@ def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
     after untie_lm_head gives a tied one its own matrix), and the remaining fp16 MatMuls as
     FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the embedding table
     instead of a transposed copy ORT would fold at load); with the custom ops, the decode GEMVs
-    (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops."""
+    (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops. A paged engine
+    has them all and ends with paged_gqa (the attention over page pools)."""
     text = f"lower_gqa:capacity={capacity},skip_rmsnorm"
     if config.quant == "w4a16-rtn":
         lm_head = ",untie_lm_head" if config.quantize_lm_head else ""
         text += (f"{lm_head},quantize_w4a16:block_size={config.block_size}:include_lm_head={config.quantize_lm_head}"
                  ",lower_ort")
     text += ",matmul_transb"  # remaining fp16 MatMuls on [N, K] weights: a tied lm_head needs no copy
+    if config.kv_layout == "paged":
+        return text + f",ort_gemv,ort_attention,paged_gqa:page_size={config.page_size}"
     if config.custom_ops or config.custom_attention or (config.custom_ops is None and ort_ops.available()):
         text += ",ort_gemv" + (",ort_attention" if config.custom_attention else "")
     return text
@@ -318,15 +345,15 @@ def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
 
 def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     """Write the ort-cuda engine lowered from the engine at `src` into `tmp`: the graph, the tokenizer
-    and build.json (the source's, with the passes appended and kv_layout.io = GQA_IO)."""
+    and build.json (the source's, with the passes appended and kv_layout.io = GQA_IO, or PAGED_GQA_IO)."""
     from enginesmith.passes import run_pipeline  # deferred: imports onnx, onnxruntime
 
     manifest = engine_dir.verify(src, onnx_graph=True)
-    if manifest.kv_layout.io == GQA_IO:
+    if manifest.kv_layout.io in (GQA_IO, PAGED_GQA_IO):
         raise UserError(f"{src} is already lowered for CUDA", "lower the engine it was built from")
     capacity = config.capacity or manifest.model.max_positions
     pass_steps = steps(config, capacity)
-    if config.custom_ops:
+    if config.needs_ort_ops:
         ort_ops.require()
     # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
     report = run_pipeline(src / manifest.graph, tmp / "model.onnx", pass_steps, progress=progress,
@@ -337,12 +364,20 @@ def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
         passes=list(manifest.passes) + [step.spec() for step in pass_steps],
         pass_counts={e["name"]: e["counts"] for e in report},
-        kv_layout={"type": "dense", "io": GQA_IO, "capacity": capacity,
-                   **({"max_batch": config.max_batch} if config.max_batch else {})},  # KV rows the runtime allocates
-        lowered_from=str(src))
+        kv_layout=_cuda_kv_layout(config, capacity), lowered_from=str(src))
     if config.quant:
         lowered["precision"] = f"{manifest.precision}+w4a16"  # the name before the -rtn preset
     engine_dir.write_manifest(tmp, lowered)
+
+
+def _cuda_kv_layout(config: BuildConfig, capacity: int) -> dict:
+    """build.json's kv_layout of an ort-cuda engine: dense (max_batch: KV rows the runtime allocates,
+    each of the full capacity) or paged (max_batch: most rows per step; pages are the runtime's choice)."""
+    if config.kv_layout == "paged":
+        return {"type": "paged", "io": PAGED_GQA_IO, "page_size": config.page_size, "capacity": capacity,
+                "max_batch": config.max_batch or PAGED_MAX_BATCH}
+    return {"type": "dense", "io": GQA_IO, "capacity": capacity,
+            **({"max_batch": config.max_batch} if config.max_batch else {})}
 
 
 def _run_passes(config: BuildConfig, pass_steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
@@ -431,16 +466,18 @@ def _cached_usable(path: Path, notice: bool) -> bool:
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
                    block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
                    progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False,
-                   max_batch: int | None = None) -> Path:
+                   max_batch: int | None = None, kv_layout: str = "dense", page_size: int = PAGE_SIZE) -> Path:
     """The ort-cuda lowering of an engine `src` already built (tests and benchmarks lower fp32 ones
     too, for the CPU EP): the steps of BuildConfig(target="ort-cuda", ...) into `out`. quant: "w4a16"
-    (= w4a16-rtn) or None. Open the result with runtime.ort_cuda.open_gqa_engine."""
+    (= w4a16-rtn) or None. kv_layout "paged" (an fp16 `src`): PagedGroupQueryAttention over pools of
+    `page_size`-token pages. Open a dense result with runtime.ort_cuda.open_gqa_engine."""
     if quant not in (None, "w4a16"):
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
     # dtype only picks an export, and there is none here: the lowered precision is the source's
     config = BuildConfig(target="ort-cuda", dtype="fp16", capacity=capacity, quant=quant and "w4a16-rtn",
                          block_size=block_size, quantize_lm_head=quantize_lm_head, max_batch=max_batch,
-                         custom_ops=custom_ops, custom_attention=custom_attention)
+                         custom_ops=custom_ops, custom_attention=custom_attention, kv_layout=kv_layout,
+                         page_size=page_size)
     with engine_dir.write_atomically(Path(out), overwrite=force) as tmp:
         _lower(Path(src), tmp, config, progress)
     return Path(out)

@@ -22,7 +22,8 @@ def add_parser(verbs) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
     p.add_argument("--for-cuda", action="store_true",
                    help="lower for ONNX Runtime CUDA's decode loop (GroupQueryAttention on one KV buffer, "
-                        "CUDA graphs, sampling on the device); fp16/bf16, dense KV, optional --quant w4a16-rtn")
+                        "CUDA graphs, sampling on the device); fp16/bf16, optional --quant w4a16-rtn; with "
+                        "--kv paged (fp16, the custom ops): page pools for in-flight batching (--page-size 16/32/64)")
     p.add_argument("--custom-ops", default="auto", choices=["auto", "on", "off"],
                    help="with --for-cuda: run the decode GEMVs as enginesmith's ONNX Runtime ops "
                         "(libenginesmith_ort_ops.so; auto: when it is built)")
@@ -31,7 +32,8 @@ def add_parser(verbs) -> None:
                         "faster decode at short contexts; prompts run slower than ORT's flash attention)")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="with --for-cuda: sequences run at once (rows of the KV buffer the runtime allocates, "
-                        "each of the full capacity; default: as many as the prompts)")
+                        "each of the full capacity; default: as many as the prompts); with --kv paged: most "
+                        "rows per step (default 64)")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --for-cuda --quant w4a16-rtn: the lm_head int4 too (a tied one gets its own matrix)")
     add_kv_flags(p)
@@ -67,9 +69,6 @@ def cmd_build(args) -> int:
         custom_ops={"auto": None, "on": True, "off": False}[args.custom_ops], custom_attention=args.custom_attention,
         trt=trt_build.config_from_args(args) if args.backend == "trt" else None, preset=args.preset,
         trt_version=args.trt_version)
-    if args.page_size is not None and args.for_cuda:
-        raise UserError("--page-size applies to --kv paged; a --for-cuda engine keeps one dense KV buffer",
-                        "drop --page-size")
     if args.page_size is not None and args.kv != "paged":
         raise UserError(f"--page-size applies to --kv paged, not --kv {args.kv}", "add --kv paged, or drop --page-size")
     print(build(config, Path(args.out), force=args.force))

@@ -140,3 +140,5 @@ __all__ = [
 # ---- the CUDA decode path's KV buffer (build --for-cuda), shared by build and runtime
 GQA_IO = "gqa-shared-buffer"   # build.json kv_layout.io: GroupQueryAttention on one shared KV buffer
 MAX_CUDA_BATCH = 256           # most rows of that buffer (--max-batch), each of the full capacity
+PAGED_GQA_IO = "paged-gqa"     # kv_layout.io of build --for-cuda --kv paged: PagedGroupQueryAttention on
+                               # page pools fed block_tables, context_lens, slot_mapping (passes/lower/ort_paged_gqa.py)

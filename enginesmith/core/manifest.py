@@ -21,12 +21,13 @@ from pathlib import PurePosixPath
 from typing import Any, Callable, Mapping
 
 from enginesmith.core.errors import EngineError
-from enginesmith.core.io_names import GQA_IO
+from enginesmith.core.io_names import GQA_IO, PAGED_GQA_IO
 
 FORMAT_VERSION = 2
 MAX_FILES = 4096          # an engine holds a graph, its data, a tokenizer, maybe a plan and plugins
 MAX_PATH_CHARS = 512
 KV_TYPES = ("dense", "ring", "paged")
+KV_IOS = {GQA_IO: "dense", PAGED_GQA_IO: "paged"}  # kv_layout.io (a CUDA-lowered graph's interface) -> its type
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -87,8 +88,8 @@ class KVLayout:
     sinks: int | None = None
     window: int | None = None
     page_size: int | None = None
-    io: str | None = None       # "gqa-shared-buffer": lowered for ONNX Runtime CUDA's decode loop
-    max_batch: int | None = None  # rows of a CUDA engine's KV buffer (build --for-cuda --max-batch)
+    io: str | None = None       # lowered for ONNX Runtime CUDA: "gqa-shared-buffer" (dense) or "paged-gqa"
+    max_batch: int | None = None  # rows of a CUDA engine's KV buffer, or of a paged one's step (--max-batch)
 
     def as_dict(self) -> dict:
         """The layout as build.json writes it (fields that are set)."""
@@ -240,7 +241,7 @@ def _model(data: _Fields) -> ModelInfo:
 def _kv_layout(data: _Fields) -> KVLayout:
     kv = data.obj("kv_layout")
     kind = kv.get("type", lambda v: v in KV_TYPES, f"one of {', '.join(KV_TYPES)}", "dense")
-    io = kv.get("io", lambda v: v == GQA_IO, f"{GQA_IO!r} or absent")
+    io = kv.get("io", lambda v: v in KV_IOS, f"{' or '.join(map(repr, KV_IOS))} or absent")
     layout = KVLayout(type=kind, capacity=kv.integer("capacity", 1), sinks=kv.integer("sinks", 0),
                       window=kv.integer("window", 1), page_size=kv.integer("page_size", 1), io=io,
                       max_batch=kv.integer("max_batch", 1))
@@ -248,6 +249,8 @@ def _kv_layout(data: _Fields) -> KVLayout:
         raise ManifestError("field 'kv_layout' of type ring needs integer 'sinks' and 'window'", "rebuild the engine")
     if kind == "paged" and layout.page_size is None:
         raise ManifestError("field 'kv_layout' of type paged needs an integer 'page_size'", "rebuild the engine")
+    if io is not None and KV_IOS[io] != kind:
+        raise ManifestError(f"field 'kv_layout.io' {io!r} belongs to type {KV_IOS[io]}, not {kind}", "rebuild the engine")
     return layout
 
 

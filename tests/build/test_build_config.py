@@ -26,6 +26,9 @@ from enginesmith.core.errors import UserError
     (dict(custom_attention=True), "--custom-attention belongs to --for-cuda"),
     (dict(preset="orin"), "TensorRT (Jetson) preset"),
     (dict(page_size=0), "--page-size 0"),
+    (dict(target="ort-cuda", dtype="bf16", kv_layout="paged"), "paged attention op, which is fp16 (got --dtype bf16)"),
+    (dict(target="ort-cuda", dtype="fp16", kv_layout="paged", custom_ops=False), "--kv paged needs the custom ops"),
+    (dict(target="ort-cuda", dtype="fp16", kv_layout="paged", page_size=8), "--page-size 8 is not one the paged"),
 ])
 def test_each_refused_combination_says_what_and_why(kwargs, words):
     with pytest.raises(UserError) as info:
@@ -47,6 +50,27 @@ def test_cuda_steps_are_one_list_ending_in_the_lowering():
     ops = BuildConfig(target="ort-cuda", dtype="fp16", custom_ops=True, custom_attention=True)
     assert names(ops)[-2:] == ["ort_gemv", "ort_attention"]
     assert steps(BuildConfig()) == []  # a plain ort-cpu engine: the export alone
+
+
+def test_paged_cuda_steps_end_with_the_custom_attention_and_paging():
+    """--for-cuda --kv paged: the ops are required (not only when built), the attention paged last."""
+    for ops in (None, True):
+        paged = BuildConfig(target="ort-cuda", dtype="fp16", kv_layout="paged", page_size=32, custom_ops=ops)
+        assert paged.needs_ort_ops
+        assert [s.spec() for s in steps(paged, 512)][-3:] == ["ort_gemv", "ort_attention", "paged_gqa:page_size=32"]
+    int4 = BuildConfig(target="ort-cuda", dtype="fp16", kv_layout="paged", quant="w4a16-rtn")
+    assert [s.name for s in steps(int4, 512)][-5:] == ["lower_ort", "matmul_transb", "ort_gemv", "ort_attention",
+                                                        "paged_gqa"]
+    assert not BuildConfig(target="ort-cuda", dtype="fp16", custom_ops=False).needs_ort_ops
+    assert not BuildConfig(kv_layout="paged").needs_ort_ops  # the CPU paged engine: standard ops
+
+
+def test_paged_and_dense_cuda_builds_have_their_own_cache_keys():
+    sha = "b" * 64
+    dense = BuildConfig(target="ort-cuda", dtype="fp16")
+    paged = [BuildConfig(target="ort-cuda", dtype="fp16", kv_layout="paged", page_size=n) for n in (16, 32)]
+    assert len({dense.key(sha), *(c.key(sha) for c in paged)}) == 3
+    assert paged[0].key(sha) != BuildConfig(kv_layout="paged", dtype="fp16").key(sha)  # the CPU paged engine
 
 
 def test_targets_keep_the_cache_keys_of_the_backends():

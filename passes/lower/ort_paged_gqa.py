@@ -1,0 +1,216 @@
+"""paged_gqa: enginesmith's GroupQueryAttention over one dense KV buffer per layer (ort_attention's
+output) -> its paged twin com.enginesmith.PagedGroupQueryAttention (plugins/ort_ops) over page pools,
+for in-flight batching: the rows of a step are independent requests whose K/V live in pages anywhere
+in one pool per layer, so requests join and leave between steps without moving any cache.
+
+Dimension legend: B rows of a step, S new tokens per row, H query heads, Hkv key/value heads, D head
+size, C KV capacity (positions one row may hold, the rotary tables' rows), BS page size, NB pages in
+the pool (the symbolic dim num_pages), MB = ceil(C / BS) pages in a row's block table.
+
+Per layer, before:
+
+    qkv [B,S,(H+2Hkv)D] ──────┐
+    past_k, past_v [B,Hkv,C,D]┤
+    seqlens_k [B] int32 ──────┼─ GroupQueryAttention ──────┬─ out [B,S,HD]
+    total_sequence_length ────┤   (com.enginesmith)        ├─ present_k, present_v: past_k, past_v
+    cos, sin [C, D/2] ────────┘                            └  (the shared buffers, written in place)
+  =>
+    qkv ──────────────────────┐
+    past_k, past_v [NB,BS,Hkv,D]  (the pools)
+    block_tables [B,MB] int32 ┼─ PagedGroupQueryAttention ─┬─ out [B,S,HD]
+    context_lens [B] int32 ───┤   (com.enginesmith; same   ├─ present_k, present_v: the pools,
+    slot_mapping [B,S] int32 ─┤    num_heads, kv_num_heads, └  written in place through the slots
+    cos, sin [C, D/2] ────────┘    scale)
+
+Interface after the pass (io_names; build.json kv_layout.io = PAGED_GQA_IO):
+
+    inputs   input_ids [B, S] int64
+             block_tables [B, MB] int32    page of each row's i-th block of BS positions
+             context_lens [B] int32        tokens in row b's cache after this step; column s sits at
+                                           position context_lens[b] - S + s (rotary and causal mask)
+             slot_mapping [B, S] int32     page * BS + offset where column s's K/V goes; -1 = right
+                                           padding, not written (context_lens still counts the width)
+             past_key_values.{i}.key/value [num_pages, BS, Hkv, D]
+    outputs  logits [B, S, V], present.{i}.key/value [num_pages, BS, Hkv, D] (the pools, bound in place)
+
+seqlens_k and total_sequence_length leave the graph. The page size and capacity are recorded in the
+graph's kv_layout metadata. Page sizes and the most columns per step (S) are the paged-attention
+kernels' limits (plugins/limits.json: 16/32/64, S <= 16): the runtime feeds prompts in chunks. Every attention layer must be enginesmith's op: a com.microsoft one that
+ort_attention could not take (bf16, head size not 64/128, ...) is refused with its reason, since the
+paged CUDA engine has no other paged attention. Not checked by the pass manager (it cannot feed the
+new interface): tests/passes/test_paged_gqa.py compares the logits with the dense graph's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from enginesmith.core import io_names
+from enginesmith.core.errors import UserError
+from enginesmith.core.io_names import MS_DOMAIN, ORT_OPS_DOMAIN as DOMAIN, PAGED_GQA_IO
+from enginesmith.passes.kv.paged_rewrite import METADATA_KEY
+from enginesmith.passes.lower.lower_gqa import CAPACITY_KEY, SEQLENS, TOTAL
+from enginesmith.passes.lower.ort_attention import PackedRotaryGQA
+from enginesmith.passes.machinery import match
+from enginesmith.passes.machinery.edit import Namer, replace_value, to_attrs
+from enginesmith.passes.machinery.match import Match, Rule
+from enginesmith.passes.machinery.registry import PassContext, PassResult, register
+from enginesmith.plugins.limits import limits as kernel_limits
+
+POOL_DIM = "num_pages"
+# com.enginesmith.GroupQueryAttention's inputs, in order (ort_attention's KEPT)
+ES_GQA_INPUTS = ("qkv", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
+FIX = "build this model with a dense KV cache (--for-cuda without --kv paged)"
+
+
+@dataclass(frozen=True)
+class PagedGqaParams:
+    page_size: int = 16   # BS: tokens per KV page
+
+    def __post_init__(self):
+        sizes = page_sizes()
+        if self.page_size not in sizes:
+            raise UserError(f"paged_gqa page_size={self.page_size!r} is not one the paged attention op takes",
+                            f"use page_size {', '.join(map(str, sizes))}")
+
+
+def page_sizes() -> tuple[int, ...]:
+    """The page sizes the op takes: its paged-attention kernels' (plugins/limits.json, their one definition)."""
+    return tuple(kernel_limits()["paged_attention"]["block_sizes"])
+
+
+class SharedBufferGQA(Rule):
+    """Root: a com.enginesmith.GroupQueryAttention whose past K/V are graph inputs carried to graph outputs."""
+
+    name = "es_gqa->paged_gqa"
+
+    def pattern(self, op, qkv):
+        return op.GroupQueryAttention(qkv, _domain=DOMAIN, _allow_other_inputs=True, _allow_other_attributes=True)
+
+    def check(self, m: Match) -> str | None:
+        node = m.root
+        if len(node.inputs) != len(ES_GQA_INPUTS):
+            return f"{len(node.inputs)} inputs, not the {len(ES_GQA_INPUTS)} of ort_attention's op"
+        ins = dict(zip(ES_GQA_INPUTS, node.inputs))
+        missing = [name for name, v in ins.items() if v is None]
+        if missing:
+            return f"has no {', '.join(missing)}"
+        for name, want in (("seqlens_k", SEQLENS), ("total_len", TOTAL)):
+            if not ins[name].is_graph_input() or ins[name].name != want:
+                return f"{name} is not the graph input {want!r} (lower_gqa's interface)"
+        outputs = {id(v) for v in node.graph.outputs}
+        for past, present in ((ins["past_k"], node.outputs[1]), (ins["past_v"], node.outputs[2])):
+            if not past.is_graph_input():
+                return f"{past.name} is not a graph input"
+            if id(present) not in outputs:
+                return f"the present of {past.name} is not a graph output"
+            others = sorted({u.node.op_type for u in past.uses() if u.node is not node})
+            if others:
+                return f"{past.name} is read by {', '.join(others)} besides the attention"
+            shape = past.shape
+            if shape is None or shape.rank() != 4 or not all(isinstance(shape[i], int) for i in (1, 3)):
+                return f"{past.name} is not [B, Hkv, C, D] with static Hkv and D"
+        cos = match.constant(ins["cos"])
+        if cos is None or len(cos.shape) != 2 or 2 * cos.shape[1] != ins["past_k"].shape[3]:
+            return "the cos cache is not a constant [positions, D / 2] table"
+        return None
+
+
+def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((v for v in graph.inputs if v.name == name), None)
+
+
+def _capacity(model: ir.Model) -> int:
+    text = model.metadata_props.get(CAPACITY_KEY, "")
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"paged_gqa needs a graph lowered by lower_gqa (metadata {CAPACITY_KEY} is "
+                        f"{text or 'missing'})", "run lower_gqa and ort_attention first")
+    return int(text)
+
+
+def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
+    """Refuse a graph the paged engine cannot run, naming the first layer at fault and why."""
+    graph = model.graph
+    if _graph_input(graph, io_names.BLOCK_TABLES) is not None:
+        raise UserError("the graph already has a paged KV layout", "apply paged_gqa to a dense CUDA-lowered graph")
+    leftover = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN]
+    if leftover:
+        _, reasons = match.find(model, PackedRotaryGQA())
+        why = next((r.reason for r in reasons if r.root is leftover[0]), "ort_attention was not run")
+        raise UserError(f"paged_gqa: attention {leftover[0].name!r} ({len(leftover)} layers) is ORT's "
+                        f"GroupQueryAttention, not enginesmith's ({why}); the paged CUDA engine needs "
+                        "enginesmith's attention op", f"run ort_attention first, or {FIX}")
+    if rejected:
+        r = rejected[0]
+        raise UserError(f"paged_gqa cannot page attention {r.node!r} ({len(rejected)} layers): {r.reason}", FIX)
+    if not found:
+        raise UserError("paged_gqa found no com.enginesmith.GroupQueryAttention",
+                        "run lower_gqa and ort_attention first")
+    roots = {id(m.root) for m in found}
+    for name in (SEQLENS, TOTAL):
+        users = sorted({u.node.op_type for u in _graph_input(graph, name).uses() if id(u.node) not in roots})
+        if users:
+            raise UserError(f"paged_gqa: {name} is read by {', '.join(users)} besides the attention", FIX)
+
+
+def _paged_inputs(graph: ir.Graph, blocks: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """block_tables [B, MB], context_lens [B], slot_mapping [B, S] (int32), right after input_ids."""
+    ids = _graph_input(graph, io_names.INPUT_IDS)
+    if ids is None or ids.shape is None or ids.shape.rank() != 2:
+        raise UserError("paged_gqa: the graph has no input_ids [B, S]", "export the model with the KV-cache signature")
+    batch, seq = ids.shape[0], ids.shape[1]
+    at = list(graph.inputs).index(ids) + 1
+    made = []
+    for i, (name, shape) in enumerate(((io_names.BLOCK_TABLES, [batch, blocks]), (io_names.CONTEXT_LENS, [batch]),
+                                       (io_names.SLOT_MAPPING, [batch, seq]))):
+        value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape(shape))
+        graph.inputs.insert(at + i, value)
+        made.append(value)
+    return tuple(made)
+
+
+def _page(graph: ir.Graph, namer: Namer, m: Match, page_size: int, meta) -> None:
+    """Replace one layer's GroupQueryAttention by PagedGroupQueryAttention over its pools (module doc)."""
+    node = m.root
+    ins = dict(zip(ES_GQA_INPUTS, node.inputs))
+    past_k, past_v = ins["past_k"], ins["past_v"]
+    kv_heads, dim = past_k.shape[1], past_k.shape[3]
+    scale = match.attr(node, "scale", 0.0) or 1.0 / math.sqrt(dim)
+    attrs = {"num_heads": match.attr(node, "num_heads"), "kv_num_heads": match.attr(node, "kv_num_heads"),
+             "scale": float(scale)}
+    new = ir.Node(DOMAIN, "PagedGroupQueryAttention", [ins["qkv"], past_k, past_v, *meta, ins["cos"], ins["sin"]],
+                  to_attrs(attrs), num_outputs=3, name=namer(f"{node.name or 'gqa'}_paged"))
+    graph.insert_before(node, new)
+    pool = ir.Shape([POOL_DIM, page_size, kv_heads, dim])
+    for old, value in zip(node.outputs, new.outputs):
+        replace_value(graph, old, value, namer(f"{old.name}_paged"))
+    for value in (past_k, past_v, new.outputs[1], new.outputs[2]):
+        value.shape = pool
+    graph.remove(node, safe=True)
+
+
+@register("paged_gqa", PagedGqaParams, exact=False)
+def paged_gqa(model: ir.Model, params: PagedGqaParams | None = None, ctx: PassContext | None = None) -> PassResult:
+    """com.enginesmith.GroupQueryAttention on shared KV buffers -> PagedGroupQueryAttention on page pools
+    (block tables, context lengths, slot mapping). Changes the graph's inputs; see the module doc."""
+    params = params or PagedGqaParams()
+    capacity = _capacity(model)
+    found, rejected = match.find(model, SharedBufferGQA())
+    _refuse(model, found, rejected)
+    graph = model.graph
+    namer = Namer(graph)
+    meta = _paged_inputs(graph, -(-capacity // params.page_size))
+    for m in found:  # collect the matches first, then change the graph
+        _page(graph, namer, m, params.page_size, meta)
+    for name in (SEQLENS, TOTAL):  # read by nothing now
+        graph.inputs.remove(_graph_input(graph, name))
+    model.metadata_props[METADATA_KEY] = json.dumps(
+        {"type": "paged", "io": PAGED_GQA_IO, "page_size": params.page_size, "capacity": capacity})
+    return PassResult({"paged_gqa": len(found)})
+
+
+__all__ = ["PagedGqaParams", "SharedBufferGQA", "page_sizes", "paged_gqa"]

@@ -34,8 +34,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class SchedulerConfig:
                                 f"give {name} >= 1")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler's list operations stay O(1) per compare
 class Request:
     request_id: str
     prompt: list[int]
@@ -104,10 +104,14 @@ class Request:
     added_at: float = 0.0               # time.perf_counter() when added
     first_token_at: float | None = None
     finished_at: float | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + output (kept, not rebuilt per access)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def __post_init__(self):
+        self.tokens = self.prompt + self.output
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self.tokens.append(token)
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,15 @@ class ContinuousBatcher:
             self._cancelled.add(request_id)
             return True
         return False
+
+    def request(self, request_id: str) -> Request:
+        """The request of that id, waiting, running or finished (KeyError if unknown)."""
+        if request_id in self.finished:
+            return self.finished[request_id]
+        for req in itertools.chain(self.running, self.waiting):
+            if req.request_id == request_id:
+                return req
+        raise KeyError(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -289,7 +302,7 @@ class ContinuousBatcher:
             self.manager.cache_blocks(req.request_id, req.tokens, req.num_computed)
         new_tokens, finished = {}, list(cancelled)
         for req, token in zip(sampled, tokens):
-            req.output.append(int(token))
+            req.append(int(token))
             if req.first_token_at is None:
                 req.first_token_at = now
             new_tokens[req.request_id] = int(token)
@@ -315,3 +328,31 @@ class ContinuousBatcher:
         text = self.decode(req.output[-(max(len(s) for s in req.stop_strings) + 8):])
         hits = [(text.find(s), s) for s in req.stop_strings if s in text]
         return min(hits)[1] if hits else None
+
+
+def batched_ids(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None,
+                max_batch: int = 64) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """generate.generate_ids over a PagedModel: the prompts run as requests of one batcher, and
+    token i of every row is yielded once all rows have it (finished rows repeat their last token,
+    flagged finished). Row r's sampling seed is seed + r (rows with equal prompts differ)."""
+    sampling = sampling or SamplingParams()
+    batcher = ContinuousBatcher(model, SchedulerConfig(max_batch=min(max_batch, len(prompts)), max_tokens=2048,
+                                                       chunk=model.max_chunk or 256))
+    rows = [batcher.add_request(p, max_new_tokens, stop_token_ids,
+                                replace(sampling, seed=None if sampling.seed is None else sampling.seed + r))
+            for r, p in enumerate(prompts)]
+    emitted = 0
+    while True:
+        reqs = [batcher.request(rid) for rid in rows]
+        ready = min(len(r.output) if r.finish_reason is None else max_new_tokens for r in reqs)
+        while emitted < min(ready, max_new_tokens):
+            ids = np.array([r.output[min(emitted, len(r.output) - 1)] for r in reqs], np.int64)
+            finished = np.array([emitted >= len(r.output) for r in reqs])
+            yield ids, finished
+            emitted += 1
+            if all(r.finish_reason is not None and emitted >= len(r.output) for r in reqs):
+                return
+        if emitted >= max_new_tokens or not batcher.has_unfinished:
+            return
+        batcher.step()

@@ -191,7 +191,7 @@ class KVCacheManager:
         return self.seqs[request_id].num_tokens if request_id in self.seqs else 0
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple(b.block_id for b in self.seqs[request_id].blocks)
+        return tuple([b.block_id for b in self.seqs[request_id].blocks])  # a list first: faster than a generator
 
     def slots(self, request_id: str, start: int, count: int) -> list[int]:
         """Pool slots (page * block_size + offset) of positions start .. start + count - 1."""

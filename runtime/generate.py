@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.runtime.batching import batched_ids
 from enginesmith.runtime.protocols import Engine, KVCache
 from enginesmith.runtime.sampling import SamplingParams, sample
 
@@ -78,6 +79,10 @@ def generate_ids(engine: Engine, prompts: Sequence[Sequence[int]], config: Gener
     the last yielded token is not fed to it.
     """
     past = cache.length if cache is not None else 0
+    if getattr(engine, "is_paged_model", False):  # the CUDA paged engine: through the scheduler
+        budget = check_budget([len(p) for p in prompts], config.max_new_tokens, config.max_positions)
+        yield from batched_ids(engine, prompts, budget, config.stop_token_ids, config.sampling, engine.max_batch)
+        return
     budget = check_budget([len(p) for p in prompts], config.max_new_tokens, config.max_positions, past)
     rng = np.random.default_rng(config.sampling.seed)
     stop = np.array(sorted(set(config.stop_token_ids)), dtype=np.int64)

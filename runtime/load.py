@@ -4,6 +4,7 @@
 
     build.json backend "tensorrt"                  -> trt_engine.open_trt_engine  (TrtEngine)
     kv_layout.io "gqa-shared-buffer" (--for-cuda)  -> ort_cuda.open_gqa_engine    (GqaEngine)
+    kv_layout.io "paged-gqa" (--for-cuda --kv paged) -> paged_cuda.open_paged_engine (PagedCudaEngine)
     any other onnxruntime engine                   -> OrtEngine (dense, ring or paged KV cache)
 """
 
@@ -16,10 +17,11 @@ from enginesmith.core import engine_dir
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import Manifest
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
-from enginesmith.core.io_names import GQA_IO
+from enginesmith.core.io_names import GQA_IO, PAGED_GQA_IO
 from enginesmith.runtime.ort_cuda import kv_rows, open_gqa_engine
 from enginesmith.runtime.kv_paged import OrtPagedModel
 from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
+from enginesmith.runtime.paged_cuda import open_paged_engine
 from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.tokenizer import Tokenizer
 from enginesmith.runtime.trt_engine import open_trt_engine
@@ -38,12 +40,14 @@ def check_backend(manifest: Manifest) -> None:
 
 def open_engine(path: str | Path, device: str = "auto", threads: int | None = None,
                 verify_hashes: bool = True, plugin_libraries: Sequence[str] = (),
-                max_batch: int | None = None) -> LoadedEngine:
+                max_batch: int | None = None, num_pages: int | None = None,
+                gpu_memory_utilization: float = 0.9) -> LoadedEngine:
     """The one front door: TensorRT plans, CUDA-lowered (GroupQueryAttention) and plain ORT engines.
 
     device/threads: the ONNX Runtime session's (a TensorRT plan runs on the GPU it was built for).
     max_batch: the most sequences run at once; a CUDA-lowered engine allocates that many KV rows,
-    or its build's --max-batch (checked against it). plugin_libraries: TensorRT plugin libraries
+    or its build's --max-batch (checked against it); a paged CUDA engine runs up to max_batch rows per
+    step over a pool of num_pages pages (default: gpu_memory_utilization of the GPU). plugin_libraries: TensorRT plugin libraries
     in place of the engine directory's copies (Triton passes its paths). verify_hashes: hash every
     file listed in build.json (sizes are always checked)."""
     path = Path(path)
@@ -53,6 +57,10 @@ def open_engine(path: str | Path, device: str = "auto", threads: int | None = No
     if layout.kv_layout.io == GQA_IO:
         return open_gqa_engine(path, device=device, max_batch=kv_rows(layout.kv_layout.max_batch, max_batch or 1),
                                threads=threads, verify_hashes=verify_hashes)
+    if layout.kv_layout.io == PAGED_GQA_IO:
+        return open_paged_engine(path, device=device, max_batch=max_batch if max_batch and max_batch > 1 else None,
+                                 num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization,
+                                 threads=threads, verify_hashes=verify_hashes)
     manifest = engine_dir.verify(path, check_backend, hashes=verify_hashes, onnx_graph=True)
     if manifest.precision.startswith("bf16") and resolve_device(device) == "cpu":
         raise EngineError(f"{path} is a bf16 engine; ONNX Runtime runs bf16 MatMul only on CUDA",

@@ -71,6 +71,72 @@ def _bind(binding: ort.IOBinding, name: str, tensor, output: bool = False) -> No
     (binding.bind_output if output else binding.bind_input)(*args)
 
 
+@dataclass
+class CudaSession:
+    """An ONNX Runtime session set up for device-resident decode loops (see the module docstring)."""
+
+    session: ort.InferenceSession
+    device: str            # "cuda" | "cpu"
+    torch_device: object
+    stream: object         # torch.cuda.Stream ORT runs on (None on the CPU)
+    graph_mode: str        # "torch" | "ort" | "none"
+    shared_stream: bool    # ORT and torch enqueue on one stream: no syncs between
+
+
+def cuda_session(onnx_path: str | Path, device: str = "auto", device_id: int = 0, cuda_graph: bool | str = True,
+                 threads: int | None = None, optimization: str = "all",
+                 provider_options: dict | None = None) -> CudaSession:
+    """The session of GqaEngine and paged_cuda.PagedCudaEngine: CUDA EP on a torch stream of ours (so
+    torch can capture ORT's kernels into a CUDA graph), enginesmith's ORT ops registered when the graph
+    uses them; on the CPU a plain session (no graphs)."""
+    torch = _torch()
+    available = ort.get_available_providers()
+    if device == "auto":
+        device = "cuda" if "CUDAExecutionProvider" in available and torch.cuda.is_available() else "cpu"
+    if device == "cuda" and ("CUDAExecutionProvider" not in available or not torch.cuda.is_available()):
+        raise UserError("this engine needs onnxruntime-gpu and a CUDA device on --device cuda", "use --device cpu")
+    torch_device = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
+    mode = {True: "torch", False: "none"}.get(cuda_graph, cuda_graph)
+    if mode not in ("torch", "ort", "none"):
+        raise UserError(f"unknown cuda_graph mode {cuda_graph!r}", "use torch, ort or none")
+    graph_mode = mode if device == "cuda" else "none"
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                                     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
+    opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    providers: list = ["CPUExecutionProvider"]
+    stream = None
+    if device == "cuda":
+        # GQA decode: ORT 1.31 picks its XQA kernel by default; flash decoding was faster on an
+        # H200 (Llama-3.2-1B shape, batch 1, ~256 positions: 846 vs 811 tok/s, one session,
+        # benchmarks/gpu/profile_decode.py). ORT reads this when the session is built; a value the
+        # user set wins.
+        os.environ.setdefault("ORT_ENABLE_XQA", "0")
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        stream = torch.cuda.Stream(torch_device)  # capture needs a non-default stream
+        providers = [("CUDAExecutionProvider", {
+            "device_id": device_id, "enable_cuda_graph": "1" if graph_mode == "ort" else "0",
+            "user_compute_stream": str(stream.cuda_stream)} | dict(provider_options or {}))]
+    shared_stream = device == "cuda"
+    ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py, ort_attention.py
+    try:
+        session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+    except ort.capi.onnxruntime_pybind11_state.Fail:
+        if device != "cuda":
+            raise
+        del providers[0][1]["user_compute_stream"]  # ORT's own stream; sync before each run
+        shared_stream = False
+        if graph_mode == "torch":  # capturing ORT's kernels needs them on our stream
+            graph_mode = "ort"
+            providers[0][1]["enable_cuda_graph"] = "1"
+        session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+    return CudaSession(session, device, torch_device, stream, graph_mode, shared_stream)
+
+
 class SharedKVCache:
     """Rows 0..B-1 of the engine's KV buffer; `lengths[b]` tokens cached in row b."""
 
@@ -125,52 +191,10 @@ class GqaEngine:
                  capacity: int | None = None, cuda_graph: bool | str = True, threads: int | None = None,
                  device_id: int = 0, optimization: str = "all", provider_options: dict | None = None) -> None:
         torch = _torch()
-        available = ort.get_available_providers()
-        if device == "auto":
-            device = "cuda" if "CUDAExecutionProvider" in available and torch.cuda.is_available() else "cpu"
-        if device == "cuda" and ("CUDAExecutionProvider" not in available or not torch.cuda.is_available()):
-            raise UserError("the GQA engine needs onnxruntime-gpu and a CUDA device", "use --device cpu")
-        self.device = device
-        self.torch_device = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
-        mode = {True: "torch", False: "none"}.get(cuda_graph, cuda_graph)
-        if mode not in ("torch", "ort", "none"):
-            raise UserError(f"unknown cuda_graph mode {cuda_graph!r}", "use torch, ort or none")
-        self.graph_mode = mode if device == "cuda" else "none"
+        cs = cuda_session(onnx_path, device, device_id, cuda_graph, threads, optimization, provider_options)
+        self.session, self.device, self.torch_device, self.stream = cs.session, cs.device, cs.torch_device, cs.stream
+        self.graph_mode, self.shared_stream = cs.graph_mode, cs.shared_stream
         self.cuda_graph = self.graph_mode != "none"
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-                                         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
-        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
-        providers: list = ["CPUExecutionProvider"]
-        self.stream = None
-        if device == "cuda":
-            # GQA decode: ORT 1.31 picks its XQA kernel by default; flash decoding was faster on an
-            # H200 (Llama-3.2-1B shape, batch 1, ~256 positions: 846 vs 811 tok/s, one session,
-            # benchmarks/gpu/profile_decode.py). ORT reads this when the session is built; a value the
-            # user set wins.
-            os.environ.setdefault("ORT_ENABLE_XQA", "0")
-            if hasattr(ort, "preload_dlls"):
-                ort.preload_dlls()
-            self.stream = torch.cuda.Stream(self.torch_device)  # capture needs a non-default stream
-            providers = [("CUDAExecutionProvider", {
-                "device_id": device_id, "enable_cuda_graph": "1" if self.graph_mode == "ort" else "0",
-                "user_compute_stream": str(self.stream.cuda_stream)} | dict(provider_options or {}))]
-        self.shared_stream = device == "cuda"  # ORT and torch enqueue on one stream: no syncs between
-        ort_ops.register_for(opts, onnx_path)  # graphs rewritten by passes/ort_gemv.py, ort_attention.py
-        try:
-            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
-        except ort.capi.onnxruntime_pybind11_state.Fail:
-            if device != "cuda":
-                raise
-            del providers[0][1]["user_compute_stream"]  # ORT's own stream; sync before each run
-            self.shared_stream = False
-            if self.graph_mode == "torch":  # capturing ORT's kernels needs them on our stream
-                self.graph_mode = "ort"
-                providers[0][1]["enable_cuda_graph"] = "1"
-            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         if SEQLENS not in inputs or TOTAL not in inputs:
             raise UserError(f"{onnx_path} is not a GQA-lowered graph (no {SEQLENS} input)",

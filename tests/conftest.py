@@ -14,6 +14,9 @@ Tests that use the SmolLM2 fixtures are `@pytest.mark.slow` (they still run in C
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from external import missing
@@ -75,3 +78,26 @@ def tiny_engine():
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ort_ops_lib(tmp_path_factory):
+    """libenginesmith_ort_ops.so for the tests that run enginesmith's ORT ops (their CPU kernels here):
+    $ENGINESMITH_ORT_OPS_LIB or $ENGINESMITH_PLUGINS_BUILD's if built (the GPU machine), else compiled
+    once here, the ops target alone (nvcc and cmake needed: else a skip, a failure under strict)."""
+    import subprocess
+
+    from enginesmith.plugins import compile as plugin_compile
+
+    for env, name in (("ENGINESMITH_ORT_OPS_LIB", ""), (plugin_compile.BUILD_ENV, plugin_compile.LIBRARIES["ort_ops"])):
+        given = Path(os.environ.get(env, "/nonexistent")) / name
+        if os.environ.get(env) and given.is_file():
+            return given
+    if plugin_compile.find_nvcc() is None or plugin_compile.find_cmake() is None:
+        missing("nvcc and cmake are needed to compile the ORT ops library", "install the CUDA toolkit and cmake")
+    out = tmp_path_factory.mktemp("ort_ops_build")
+    configure, build = plugin_compile.cmake_commands(out, "90", trt=False)
+    for cmd in (configure, build + ["--target", "enginesmith_ort_ops"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return out / plugin_compile.LIBRARIES["ort_ops"]

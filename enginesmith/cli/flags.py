@@ -37,6 +37,9 @@ def add_model_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
         g.add_argument("--engine", metavar="DIR", help="an engine directory from `enginesmith build`")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="ONNX Runtime device")
         g.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                       help="a --for-cuda --kv paged engine sizes its KV page pool to this share of the GPU's "
+                            "memory, weights and activations included (default 0.9)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -138,7 +141,9 @@ def load_engine(args, config: BuildConfig | None = None):
                         "leave out --engine, or build the engine with `enginesmith build --kv ring`")
     path = Path(args.engine) if args.engine else cached_engine(config or build_config(args))
     rows = max(1, len(getattr(args, "prompt", []) or []), getattr(args, "batch", 1) or 1)
-    return open_engine(path, device=args.device, threads=args.threads, max_batch=rows)
+    return open_engine(path, device=args.device, threads=args.threads, max_batch=rows,
+                       num_pages=getattr(args, "num_pages", None),
+                       gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9))
 
 
 def sampling_params(args) -> SamplingParams:

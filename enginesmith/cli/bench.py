@@ -1,34 +1,74 @@
 """`enginesmith bench`: prefill/decode speed and memory, optionally against HF transformers and with
-speculative decoding."""
+speculative decoding; with --requests, the offline serving benchmark (many requests through the
+continuous batcher of a paged engine, at one or several concurrencies)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 from enginesmith.cli.flags import (add_model_flags, add_speculative_flags, load_engine, speculative_config,
                                    speculative_decoder)
 from enginesmith.core.errors import UserError
+from enginesmith.models import corpus
 from enginesmith.runtime.chat import stop_token_ids
 
 
 def add_parser(verbs) -> None:
     p = verbs.add_parser("bench", help="prefill/decode speed and memory (optionally vs HF transformers)")
     add_model_flags(p)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="prompt length (default 128; with --requests: drawn from the Austen corpus)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="tokens generated (default 64; with --requests: drawn from the Austen corpus)")
+    p.add_argument("--batch", type=int, default=None, help="sequences decoded together (default 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs; the median is reported (default 3)")
     p.add_argument("--compare", default=None, metavar="LIST",
                    help="also measure HF transformers: hf (eager), hf-compile (static cache + torch.compile, "
                         "CUDA); comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_speculative_flags(p)
+    g = p.add_argument_group("offline serving benchmark (a paged engine: build --kv paged)")
+    g.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="run N requests through the continuous batcher, at most --concurrency in flight; prompt "
+                        "and output lengths are drawn from the Austen corpus unless --prompt-tokens/--new-tokens")
+    g.add_argument("--concurrency", default=None, metavar="C[,C...]",
+                   help="requests in flight, one run each (default 1,8,64)")
+    g.add_argument("--num-pages", type=int, default=None, metavar="K",
+                   help="KV pages in the pool (default: what 1 GiB holds for an ONNX Runtime CPU engine; "
+                        "--gpu-memory-utilization of the GPU for a --for-cuda engine)")
+    g.add_argument("--max-batch-rows", type=int, default=None, metavar="R",
+                   help="rows per scheduler step (default: the concurrency, at most a --for-cuda engine's --max-batch)")
+    g.add_argument("--chunk", type=int, default=None,
+                   help="prefill tokens per row per step (default 128, at most what the engine's attention takes)")
+    g.add_argument("--seed", type=int, default=None, help="workload seed (default 0)")
+    g.add_argument("--png", default=None, metavar="FILE", help="write tok/s against concurrency to a PNG")
     p.set_defaults(func=cmd_bench)
 
 
+OFFLINE_ONLY = ("concurrency", "num_pages", "max_batch_rows", "chunk", "seed", "png")
+SINGLE_ONLY = ("batch", "repeats", "compare", "speculative")
+
+
 def cmd_bench(args) -> int:
+    offline = args.requests is not None
+    given = [name for name in (SINGLE_ONLY if offline else OFFLINE_ONLY) if getattr(args, name) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        if offline:
+            raise UserError(f"{flag} belongs to the single-stream bench, not to --requests", f"drop {flag}")
+        raise UserError(f"{flag} belongs to the offline benchmark", "add --requests N")
+    return cmd_offline(args) if offline else cmd_single(args)
+
+
+def cmd_single(args) -> int:
     from enginesmith.measure import report, speed  # deferred: imports onnxruntime (optional; --help works without)
 
+    args.prompt_tokens = 128 if args.prompt_tokens is None else args.prompt_tokens
+    args.new_tokens = 64 if args.new_tokens is None else args.new_tokens
+    args.batch = 1 if args.batch is None else args.batch
+    args.repeats = 3 if args.repeats is None else args.repeats
     spec = speculative_config(args)
     compare = _compare_list(args.compare)
     loaded = load_engine(args)
@@ -61,3 +101,72 @@ def _format_speculative(result: dict) -> str:
     return (f"\nspeculative ({s['drafter']}, k={s['k']}): {s['speculative_tok_s']:.1f} tok/s vs plain "
             f"{s['plain_tok_s']:.1f} (x{s['speedup']:.2f}), acceptance {s['acceptance_rate'] or 0:.2f}, "
             f"{s['tokens_per_target_call'] or 0:.2f} tokens/target call, identical output: {s['identical']}")
+
+
+def cmd_offline(args) -> int:
+    from enginesmith.measure import throughput  # deferred: imports onnxruntime (optional; --help works without)
+    from enginesmith.runtime.load import paged_model  # deferred: imports onnxruntime
+
+    concurrencies = _int_list(args.concurrency or "1,8,64", "--concurrency")
+    for flag, value in (("--requests", args.requests), ("--prompt-tokens", args.prompt_tokens),
+                        ("--new-tokens", args.new_tokens), ("--max-batch-rows", args.max_batch_rows),
+                        ("--chunk", args.chunk)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} is not a positive number", f"give {flag} >= 1")
+    if args.num_pages is not None and args.num_pages < 2:
+        raise UserError(f"--num-pages {args.num_pages} is too few (page 0 is the null page)", "give --num-pages >= 2")
+    if args.png:
+        throughput.require_matplotlib()
+        if not Path(args.png).expanduser().resolve().parent.is_dir():
+            raise UserError(f"--png {args.png}: its folder does not exist", "create the folder or give another path")
+    seed = 0 if args.seed is None else args.seed
+    args.batch = args.max_batch_rows  # a CUDA paged engine opens with this many rows (default: its build's)
+    loaded = load_engine(args)
+    model = paged_model(loaded, args.num_pages)
+    chunk = args.chunk or throughput.CHUNK
+    if getattr(model, "max_chunk", None):  # the batcher caps it so too
+        chunk = min(chunk, model.max_chunk)
+    limit = getattr(model, "max_positions", None) or loaded.max_positions
+    max_prompt, max_new = throughput.clips(limit, chunk, args.prompt_tokens, args.new_tokens)
+    fixed = args.prompt_tokens is not None and args.new_tokens is not None
+    source, text = _workload_source(loaded, fixed)
+    requests = throughput.workload(source, args.requests, seed, args.prompt_tokens, args.new_tokens,
+                                   max_prompt=max_prompt, max_new=max_new)
+    need = max(-(-(len(r.prompt) + r.new_tokens) // model.page_size) for r in requests)
+    if need > model.num_pages - 1:
+        raise UserError(f"the longest request needs {need} KV pages; the pool has {model.num_pages - 1}",
+                        f"give --num-pages {need + 1} or more")
+    info = throughput.describe_workload(requests, seed, args.prompt_tokens, args.new_tokens, text)
+    result = throughput.bench_offline(loaded, model, requests, concurrencies, info, max_batch_rows=args.max_batch_rows,
+                                      chunk=chunk, progress=True)
+    print(json.dumps(result) if args.json else throughput.format_sweep(result))
+    if args.png:
+        print(f"wrote {throughput.plot(result, args.png)}", file=sys.stderr)
+    leaked = [r for r in result["runs"] if r["leaked_pages"]]
+    for r in leaked:
+        print(f"error: {r['leaked_pages']} KV pages were not given back at concurrency {r['concurrency']} "
+              "(fix: this is a bug of the batcher; please report it)", file=sys.stderr)
+    return 1 if leaked else 0
+
+
+def _workload_source(loaded, fixed: bool):
+    """(the tokenizer, "austen"), or with fixed lengths and no corpus installed, (the vocab size,
+    "random ids"): random ids cost the same compute."""
+    try:
+        corpus.data_dir()
+    except UserError:
+        if not fixed:
+            raise
+        return getattr(loaded.engine, "vocab", None) or len(loaded.tokenizer), "random ids (no corpus installed)"
+    return loaded.tokenizer, "austen"
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    """"1,8,64" -> [1, 8, 64]: positive integers, each once, in the order given."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a list of integers", f"e.g. {flag} 1,8,64") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} {text!r} needs positive integers", f"e.g. {flag} 1,8,64")
+    return list(dict.fromkeys(values))

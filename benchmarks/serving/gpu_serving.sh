@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 18's figures and GPU tests, in one session on one card (run from the repository root on the
+# device machine, after staging onnxruntime-gpu, cmake, ninja, rdata+xarray (the Austen corpus reader)
+# and onnxruntime-genai-cuda; see benchmarks/serving/README.md). Carry .device/janeaustenr (the corpus
+# data) and .device/peers/ortgenai_bench.py (from ../shared/peers).
+#
+#   PHASES="tests bench" bash benchmarks/serving/gpu_serving.sh
+#
+# tests  the GPU tests of the paged op and the paged engine (identity of 32 mixed requests, 2,000
+#        random requests without a leaked page)
+# bench  1B Llama shape (random weights) fp16 and W4A16 paged engines: offline throughput at concurrency
+#        1 / 16 / 64 (prompt 512, output 256), decode-step bandwidth fraction; HF generate at batch 64
+#        (static cache); ONNX Runtime GenAI at batch 64 — all in this one session.
+# Everything goes to $OUT (serving.log and JSON files).
+set -uo pipefail
+OUT="${OUT:-/tmp/serving_out}"
+mkdir -p "$OUT"
+LOG="$OUT/serving.log"
+REPO="$(pwd)"
+PHASES="${PHASES:-tests bench}"
+export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export ENGINESMITH_CACHE=/tmp/esc HF_HUB_OFFLINE=1
+export ENGINESMITH_JANEAUSTENR="$REPO/.device/janeaustenr"
+MODEL="${MODEL:-random:llama-3.2-1b}"
+failed=0
+step() {
+    local name="$1"; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@"
+    local rc=$?
+    echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+    return 0
+}
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | tail -2
+    ES=(python3 -m enginesmith.cli)
+    LIBS=$("${ES[@]}" plugins build --arch 90 2>&1 | tail -3)
+    echo "$LIBS"
+    DIR=$(dirname "$(echo "$LIBS" | grep ort_ops | head -1)")
+    export ENGINESMITH_PLUGINS_BUILD="$DIR" ENGINESMITH_ORT_OPS_LIB="$DIR/libenginesmith_ort_ops.so" \
+           ENGINESMITH_KERNELS_LIB="$DIR/libenginesmith_kernels.so"
+    if [[ " $PHASES " == *" tests "* ]]; then
+        (cd tests && step gpu-tests python3 -m pytest -q -x -m gpu plugins/test_ort_paged_attention.py plugins/test_ort_attention.py \
+            test_paged_cuda.py test_throughput_bench.py -p no:cacheprovider)
+    fi
+    if [[ " $PHASES " == *" bench "* ]]; then
+        step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 \
+            --max-batch 64 --capacity 2048 --out /tmp/e/fp16
+        step build-w4a16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 \
+            --max-batch 64 --capacity 2048 --quant w4a16-rtn --out /tmp/e/w4a16
+        for e in fp16 w4a16; do
+            step "single-$e" "${ES[@]}" bench --engine /tmp/e/$e --device cuda --requests 4 --concurrency 1 \
+                --prompt-tokens 512 --new-tokens 256 --json > "$OUT/single_$e.json"
+            cat "$OUT/single_$e.json"
+            step "offline-$e" "${ES[@]}" bench --engine /tmp/e/$e --device cuda --requests 64 \
+                --concurrency 1,16,64 --prompt-tokens 512 --new-tokens 256 --json --png "$OUT/throughput_$e.png" \
+                > "$OUT/offline_$e.json"
+            cat "$OUT/offline_$e.json"
+        done
+        step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
+            > "$OUT/drawn_fp16.json"
+        cat "$OUT/drawn_fp16.json"
+        step hf-generate python3 benchmarks/serving/hf_generate_batch.py --model "$MODEL" --batch 64 \
+            --prompt-tokens 512 --new-tokens 256 --json-out "$OUT/hf_generate.json"
+        step ortgenai python3 .device/peers/ortgenai_bench.py --size 1b --ep cuda --batch 64 --prompt-len 512 --new-tokens 256 --cuda-graph on --work /tmp/gw \
+            --json-out "$OUT/ortgenai.jsonl"
+    fi
+    echo "=== failed steps: $failed"
+} 2>&1 | tee "$LOG"

@@ -43,8 +43,12 @@ step() {
     export ENGINESMITH_PLUGINS_BUILD="$DIR" ENGINESMITH_ORT_OPS_LIB="$DIR/libenginesmith_ort_ops.so" \
            ENGINESMITH_KERNELS_LIB="$DIR/libenginesmith_kernels.so"
     if [[ " $PHASES " == *" tests "* ]]; then
-        (cd tests && step gpu-tests python3 -m pytest -q -x -m gpu plugins/test_ort_paged_attention.py plugins/test_ort_attention.py \
-            test_paged_cuda.py test_throughput_bench.py -p no:cacheprovider)
+        cd tests
+        step gpu-tests python3 -m pytest -q -m gpu plugins/test_ort_paged_attention.py plugins/test_ort_attention.py \
+            passes/test_paged_gqa.py test_paged_cuda.py test_throughput_bench.py -p no:cacheprovider
+        ES_BATCH_INVARIANT=1 step gpu-identity-invariant python3 -m pytest -q -m gpu test_paged_cuda.py \
+            -k "32_mixed" -p no:cacheprovider
+        cd "$REPO"
     fi
     if [[ " $PHASES " == *" bench "* ]]; then
         step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 \

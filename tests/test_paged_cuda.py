@@ -43,7 +43,7 @@ def paged_dir(ort_ops_lib, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     out = tmp_path_factory.mktemp("paged") / "engine"
-    return lower_for_cuda(src, out, capacity=CAPACITY, kv_layout="paged", page_size=16, max_batch=8, progress=False)
+    return lower_for_cuda(src, out, capacity=CAPACITY, kv_layout="paged", page_size=16, max_batch=32, progress=False)
 
 
 @pytest.fixture(scope="module")

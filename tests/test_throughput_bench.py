@@ -23,7 +23,7 @@ from enginesmith.measure import speed, throughput
 from enginesmith.runtime.batching import StepOutput
 from enginesmith.runtime.load import open_engine, paged_model
 from test_paged_cuda import gpu, monkeypatch_module, needs_cuda, paged_dir  # noqa: F401, F811  (fixtures, markers)
-from tests.test_cli_errors import assert_one_line_error, cli
+from test_cli_errors import assert_one_line_error, cli
 
 VOCAB = 49152
 

@@ -36,6 +36,7 @@ step() {
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | tail -2
+    cd /tmp  # away from the checkout, whose enginesmith/ would shadow the installed package
     ES=(python3 -m enginesmith.cli)
     LIBS=$("${ES[@]}" plugins build --arch 90 2>&1 | tail -3)
     echo "$LIBS"
@@ -43,12 +44,12 @@ step() {
     export ENGINESMITH_PLUGINS_BUILD="$DIR" ENGINESMITH_ORT_OPS_LIB="$DIR/libenginesmith_ort_ops.so" \
            ENGINESMITH_KERNELS_LIB="$DIR/libenginesmith_kernels.so"
     if [[ " $PHASES " == *" tests "* ]]; then
-        cd tests
+        cd "$REPO/tests"
         step gpu-tests python3 -m pytest -q -m gpu plugins/test_ort_paged_attention.py plugins/test_ort_attention.py \
             passes/test_paged_gqa.py test_paged_cuda.py test_throughput_bench.py -p no:cacheprovider
         ES_BATCH_INVARIANT=1 step gpu-identity-invariant python3 -m pytest -q -m gpu test_paged_cuda.py \
             -k "32_mixed" -p no:cacheprovider
-        cd "$REPO"
+        cd /tmp
     fi
     if [[ " $PHASES " == *" bench "* ]]; then
         step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 \
@@ -67,9 +68,9 @@ step() {
         step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
             > "$OUT/drawn_fp16.json"
         cat "$OUT/drawn_fp16.json"
-        step hf-generate python3 benchmarks/serving/hf_generate_batch.py --model "$MODEL" --batch 64 \
+        step hf-generate python3 "$REPO/benchmarks/serving/hf_generate_batch.py" --model "$MODEL" --batch 64 \
             --prompt-tokens 512 --new-tokens 256 --json-out "$OUT/hf_generate.json"
-        step ortgenai python3 .device/peers/ortgenai_bench.py --size 1b --ep cuda --batch 64 --prompt-len 512 --new-tokens 256 --cuda-graph on --work /tmp/gw \
+        step ortgenai python3 "$REPO/.device/peers/ortgenai_bench.py" --size 1b --ep cuda --batch 64 --prompt-len 512 --new-tokens 256 --cuda-graph on --work /tmp/gw \
             --json-out "$OUT/ortgenai.jsonl"
     fi
     echo "=== failed steps: $failed"

@@ -152,7 +152,7 @@ def test_generate_runs_through_the_batcher(paged_dir):
 @needs_cuda
 def test_gpu_32_mixed_requests_batched_equal_each_alone(paged_dir):
     engine = _engine(paged_dir, device="cuda", num_pages=512, max_batch=32)
-    _batched_equals_alone(engine, n=32, seed=1, max_batch=32, max_tokens=256)
+    _batched_equals_alone(engine, n=32, seed=1, max_batch=32, max_tokens=512)
     assert engine._buckets and any(b.graph is not None for b in engine._buckets.values())
 
 
@@ -170,7 +170,7 @@ def test_gpu_2000_random_requests_give_every_page_back(paged_dir):
             batcher.cancel(f"req{i // 2}")
     steps = _run_checked(batcher)
     assert len(batcher.finished) == 2000
-    assert max(s.pages_used for s in steps) > 80
+    assert max(s.pages_used for s in steps) > 30
 
 
 @gpu

@@ -190,7 +190,7 @@ def test_gpu_bench_requests_on_the_cuda_paged_engine(paged_dir):  # noqa: F811  
     r = json.loads(result.stdout)
     assert r["device"] == "cuda" and r["backend"] == "PagedCudaEngine" and r["num_pages"] == 256
     one, many = r["runs"]
-    assert many["max_batch_rows"] == many["max_batch"] == 8  # built with --max-batch 8: 16 in flight, 8 rows a step
+    assert many["max_batch_rows"] == many["max_batch"] == 16  # built with --max-batch 32: 16 in flight, 16 rows a step
     assert one["chunk"] == many["chunk"] == 16                # the paged attention op's query limit
     for run in (one, many):
         assert run["leaked_pages"] == 0 and run["output_tokens"] == 24 * 32

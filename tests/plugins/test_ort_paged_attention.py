@@ -479,5 +479,5 @@ def test_cuda_last_block_merge_in_a_child_process(ops_lib):
     names = ("test_cuda_matches_cpu", "test_cuda_graph_captured_by_torch_replays_new_steps")
     tests = [f"{__file__}::{name}" for name in names]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                          cwd=repo, env=env, capture_output=True, text=True)
+                          cwd=repo / "tests", env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

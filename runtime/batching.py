@@ -282,20 +282,22 @@ class ContinuousBatcher:
             if self.waiting:
                 raise UserError("no request fits the paged KV pool", "give the batcher more pages")
             return StepOutput((), {}, tuple(cancelled), tuple(preempted), 0, pages_used=self.pages_used)
-        width = max(counts)
-        ids = np.zeros((len(rows), width), np.int64)
-        for r, (req, n) in enumerate(zip(rows, counts)):
-            ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
         self.model.copy_pages(copies)
         starts = [req.num_computed for req in rows]
-        step = build_step(self.manager, [req.request_id for req in rows], starts, counts, width)
-        picks, sampled = [], []
-        for r, (req, n) in enumerate(zip(rows, counts)):
-            if req.num_computed + n == len(req.tokens):  # the prompt is all computed: sample a token
-                penalty = req.sampling.repetition_penalty != 1.0
-                picks.append(Pick(r, n - 1, req.sampling, req.seed, len(req.output), req.tokens if penalty else None))
-                sampled.append(req)
-        tokens = self.model.run(ids, step, picks)
+        if getattr(self.model, "batch_invariant", False):
+            # Single-token rows in a step of width 1, longer chunks in a step of the full chunk width:
+            # each row's kernels (the attention's tiling depends on the step width) are then the same
+            # whatever it is batched with.
+            groups = [([i for i, n in enumerate(counts) if n == 1], 1),
+                      ([i for i, n in enumerate(counts) if n > 1], self.chunk)]
+        else:
+            groups = [(list(range(len(rows))), max(counts))]
+        sampled, tokens = [], []
+        for members, width in groups:
+            if members:
+                got, toks = self._forward([rows[i] for i in members], [counts[i] for i in members], width)
+                sampled += got
+                tokens += toks
         now = time.perf_counter()
         for req, n in zip(rows, counts):
             req.num_computed += n
@@ -317,8 +319,24 @@ class ContinuousBatcher:
                 continue
             finished.append(req.request_id)
         return StepOutput(tuple(r.request_id for r in rows), new_tokens, tuple(finished), tuple(preempted),
-                          int(sum(counts)), width, self.pages_used, time.perf_counter() - start,
+                          int(sum(counts)), max(w for m, w in groups if m), self.pages_used, time.perf_counter() - start,
                           int(sum(starts) + sum(counts)))
+
+    def _forward(self, rows: list[Request], counts: list[int], width: int) -> tuple[list[Request], list[int]]:
+        """One model step over `rows` (counts[r] new tokens each, right-padded to `width`): the rows
+        that sampled a token, and their tokens."""
+        ids = np.zeros((len(rows), width), np.int64)
+        for r, (req, n) in enumerate(zip(rows, counts)):
+            ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
+        starts = [req.num_computed for req in rows]
+        step = build_step(self.manager, [req.request_id for req in rows], starts, counts, width)
+        picks, sampled = [], []
+        for r, (req, n) in enumerate(zip(rows, counts)):
+            if req.num_computed + n == len(req.tokens):  # the prompt is all computed: sample a token
+                penalty = req.sampling.repetition_penalty != 1.0
+                picks.append(Pick(r, n - 1, req.sampling, req.seed, len(req.output), req.tokens if penalty else None))
+                sampled.append(req)
+        return sampled, self.model.run(ids, step, picks)
 
     def _stop_string(self, req: Request) -> str | None:
         """The first stop string in the output's text that the last token may have completed: only the

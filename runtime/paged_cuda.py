@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -119,6 +120,8 @@ class PagedCudaEngine:
         self.max_blocks = -(-limit // self.page_size)  # the graph's rotary tables bound the table width
         self.max_chunk = int(kernel_limits()["paged_attention"]["max_query_len"])
         self.max_batch = max_batch
+        # the ORT ops read ES_BATCH_INVARIANT once per process; the scheduler then groups rows by width
+        self.batch_invariant = os.environ.get("ES_BATCH_INVARIANT") == "1"
         self.dtype = torch.float16 if "float16" in first.type else torch.float32
         logits_type = self.session.get_outputs()[0].type
         self.logits_dtype = torch.float16 if "float16" in logits_type else torch.float32

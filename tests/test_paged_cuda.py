@@ -95,8 +95,13 @@ def _batched_equals_alone(engine, n: int, seed: int, max_batch: int, max_tokens:
 
 # ----------------------------------------------------------------------------- CPU (CI)
 
-def test_batched_greedy_equals_each_request_alone_cpu(paged_dir):
-    _batched_equals_alone(_engine(paged_dir), n=8, seed=0, max_batch=4, max_tokens=40)
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batched_greedy_equals_each_request_alone_cpu(paged_dir, invariant):
+    """invariant: the scheduler's batch-invariant grouping (single-token rows apart from chunks), which
+    ES_BATCH_INVARIANT=1 turns on for the CUDA engine, keeps the outputs too."""
+    engine = _engine(paged_dir)
+    engine.batch_invariant = invariant
+    _batched_equals_alone(engine, n=8, seed=0, max_batch=4, max_tokens=40)
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(paged_dir):

@@ -52,26 +52,27 @@ step() {
         cd /tmp
     fi
     if [[ " $PHASES " == *" bench "* ]]; then
-        step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 \
-            --max-batch 64 --capacity 2048 --out /tmp/e/fp16
-        step build-w4a16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 \
-            --max-batch 64 --capacity 2048 --quant w4a16-rtn --out /tmp/e/w4a16
-        for e in fp16 w4a16; do
-            step "single-$e" "${ES[@]}" bench --engine /tmp/e/$e --device cuda --requests 4 --concurrency 1 \
-                --prompt-tokens 512 --new-tokens 256 --json > "$OUT/single_$e.json"
-            cat "$OUT/single_$e.json"
-            step "offline-$e" "${ES[@]}" bench --engine /tmp/e/$e --device cuda --requests 64 \
-                --concurrency 1,16,64 --prompt-tokens 512 --new-tokens 256 --json --png "$OUT/throughput_$e.png" \
-                > "$OUT/offline_$e.json"
-            cat "$OUT/offline_$e.json"
+        B=(--dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048)
+        R=(--prompt-tokens 512 --new-tokens 256 --json)
+        step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
+        step single-fp16 "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 4 --concurrency 1 "${R[@]}" \
+            > "$OUT/single_fp16.json"
+        step offline-fp16 "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 64 --concurrency 16,64 \
+            "${R[@]}" --png "$OUT/throughput_fp16.png" > "$OUT/offline_fp16.json"
+        step hf-generate python3 "$REPO/benchmarks/serving/hf_generate_batch.py" --model "$MODEL" --batch 64 \
+            --prompt-tokens 512 --new-tokens 256 --repeats 1 --json-out "$OUT/hf_generate.json"
+        for g in "64 off" "32 on"; do set -- $g
+            step "ortgenai-b$1-graph-$2" python3 "$REPO/.device/peers/ortgenai_bench.py" --size 1b --ep cuda --batch "$1" \
+                --prompt-len 512 --new-tokens 256 --cuda-graph "$2" --precisions fp16 --work /tmp/gw \
+                --json-out "$OUT/ortgenai.jsonl"
         done
+        step build-w4a16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --quant w4a16-rtn --out /tmp/e/w4a16
+        step single-w4a16 "${ES[@]}" bench --engine /tmp/e/w4a16 --device cuda --requests 4 --concurrency 1 "${R[@]}" \
+            > "$OUT/single_w4a16.json"
+        step offline-w4a16 "${ES[@]}" bench --engine /tmp/e/w4a16 --device cuda --requests 64 --concurrency 16,64 \
+            "${R[@]}" --png "$OUT/throughput_w4a16.png" > "$OUT/offline_w4a16.json"
         step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
             > "$OUT/drawn_fp16.json"
-        cat "$OUT/drawn_fp16.json"
-        step hf-generate python3 "$REPO/benchmarks/serving/hf_generate_batch.py" --model "$MODEL" --batch 64 \
-            --prompt-tokens 512 --new-tokens 256 --json-out "$OUT/hf_generate.json"
-        step ortgenai python3 "$REPO/.device/peers/ortgenai_bench.py" --size 1b --ep cuda --batch 64 --prompt-len 512 --new-tokens 256 --cuda-graph on --work /tmp/gw \
-            --json-out "$OUT/ortgenai.jsonl"
     fi
     echo "=== failed steps: $failed"
 } 2>&1 | tee "$LOG"

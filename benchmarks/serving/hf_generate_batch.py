@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     loaded = models.load(models.resolve(args.model))
     model = loaded.model.to("cuda", dtype=torch.float16).eval()
-    ids = corpus.tokenize(loaded.tokenizer)[: args.batch * args.prompt_tokens]
+    ids = corpus.tokenize(loaded.tokenizer, corpus.austen_text(), args.batch * args.prompt_tokens).tolist()
     prompt = torch.tensor(ids, dtype=torch.long).reshape(args.batch, args.prompt_tokens).cuda()
     mask = torch.ones_like(prompt)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0

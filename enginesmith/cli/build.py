@@ -34,6 +34,9 @@ def add_parser(verbs) -> None:
                    help="with --for-cuda: sequences run at once (rows of the KV buffer the runtime allocates, "
                         "each of the full capacity; default: as many as the prompts); with --kv paged: most "
                         "rows per step (default 64)")
+    p.add_argument("--capacity", type=int, default=None, metavar="POSITIONS",
+                   help="with --for-cuda: KV positions a sequence may reach (default: the model's context); a "
+                        "smaller one makes the rotary tables, the KV rows and the paged block tables smaller")
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="with --for-cuda --quant w4a16-rtn: the lm_head int4 too (a tied one gets its own matrix)")
     add_kv_flags(p)
@@ -65,7 +68,7 @@ def cmd_build(args) -> int:
         kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window, page_size=16 if args.page_size is None else args.page_size,
         quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
         calib_text=args.calib_text, calib_samples=args.calib_samples, accuracy_level=args.accuracy_level,
-        max_batch=args.max_batch, quantize_lm_head=args.quantize_lm_head,
+        max_batch=args.max_batch, quantize_lm_head=args.quantize_lm_head, capacity=args.capacity,
         custom_ops={"auto": None, "on": True, "off": False}[args.custom_ops], custom_attention=args.custom_attention,
         trt=trt_build.config_from_args(args) if args.backend == "trt" else None, preset=args.preset,
         trt_version=args.trt_version)

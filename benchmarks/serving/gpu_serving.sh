@@ -61,7 +61,7 @@ step() {
             "${R[@]}" --png "$OUT/throughput_fp16.png" > "$OUT/offline_fp16.json"
         step hf-generate python3 "$REPO/benchmarks/serving/hf_generate_batch.py" --model "$MODEL" --batch 64 \
             --prompt-tokens 512 --new-tokens 256 --repeats 1 --json-out "$OUT/hf_generate.json"
-        for g in "64 off" "32 on"; do set -- $g
+        for g in ${GENAI:-"64:off"}; do set -- ${g/:/ }
             step "ortgenai-b$1-graph-$2" python3 "$REPO/.device/peers/ortgenai_bench.py" --size 1b --ep cuda --batch "$1" \
                 --prompt-len 512 --new-tokens 256 --cuda-graph "$2" --precisions fp16 --work /tmp/gw \
                 --json-out "$OUT/ortgenai.jsonl"

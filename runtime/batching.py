@@ -146,12 +146,11 @@ class ContinuousBatcher:
         self._ids = itertools.count()
         self._seeds = np.random.SeedSequence()
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
-                    sampling: SamplingParams | None = None, request_id: str | None = None,
-                    stop_strings: Sequence[str] = ()) -> str:
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int, stop_strings: Sequence[str] = ()) -> None:
+        """UserError for a request this batcher could never run (reads only fixed settings: any thread)."""
         if len(prompt) == 0:
             raise UserError("empty prompt", "give at least one token of prompt")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise UserError(f"invalid max_new_tokens={max_new_tokens!r}", "use an integer >= 1")
         if stop_strings and self.decode is None:
             raise UserError("stop strings need the tokenizer", "make the batcher with decode=tokenizer.decode")
@@ -167,6 +166,11 @@ class ContinuousBatcher:
         if needed > self.model.num_pages - 1:
             raise UserError(f"a request of {len(prompt)} + {max_new_tokens} tokens needs {needed} pages; the pool "
                             f"has {self.model.num_pages - 1}", "give the batcher more pages")
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int = 64, stop_token_ids: Sequence[int] = (),
+                    sampling: SamplingParams | None = None, request_id: str | None = None,
+                    stop_strings: Sequence[str] = ()) -> str:
+        self.check_request(prompt, max_new_tokens, stop_strings)
         rid = request_id or f"req{next(self._ids)}"
         if rid in self.finished or any(r.request_id == rid for r in itertools.chain(self.waiting, self.running)):
             raise UserError(f"request id {rid!r} is already in use", "give each request its own id")

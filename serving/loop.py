@@ -1,0 +1,240 @@
+"""One scheduler loop for every front door (`enginesmith serve`, the Triton model): a thread steps the
+ContinuousBatcher while requests are in flight; each request gets its own stream of events.
+
+    front doors (any thread)                    the loop thread (owns the batcher)
+    submit(prompt ids, ...) ─ checks ─ inbox ──▶ add_request (between steps)
+    cancel(request id) ───────────── inbox ──▶ batcher.cancel (pages back at the next step)
+    handle events ◀──────────── sink ────────── after each step: ("token", id) per new token,
+                                                ("done", finish reason, stop) when it ends,
+                                                ("error", message) if the engine failed
+
+Admission: a request that can never fit (empty, too long for the engine or the pool) is refused in
+`submit` (UserError, the caller's 400); beyond `max_waiting` requests not yet running, `submit`
+raises Overloaded (the caller's 429/503 with Retry-After): no unbounded queue. `drain()` stops
+taking requests and waits until those in flight end (SIGTERM); `close()` cancels what is left.
+
+The batcher is touched only by the loop thread. `stats()` is a consistent snapshot for /metrics:
+running, waiting, KV pages used, tokens and requests so far, and the time-to-first-token and
+inter-token-latency observations (histograms in serving/metrics.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from enginesmith.core.errors import UserError
+from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig
+from enginesmith.runtime.sampling import SamplingParams
+
+Event = tuple  # ("token", id) | ("done", reason, stop) | ("error", message)
+
+
+class Overloaded(Exception):
+    """Too many requests waiting: retry after `retry_after` seconds."""
+
+    def __init__(self, waiting: int, retry_after: int = 1):
+        super().__init__(f"{waiting} requests are waiting already; try again later")
+        self.retry_after = retry_after
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+@dataclass
+class Handle:
+    """A submitted request: its id and where its events go (a thread-safe queue unless a sink is given)."""
+
+    request_id: str
+    prompt_tokens: int
+    sink: Callable[[Event], None] | None = None
+    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+
+    def put(self, event: Event) -> None:
+        (self.sink or self.events.put)(event)
+
+
+@dataclass
+class LoopStats:
+    running: int = 0
+    waiting: int = 0
+    pages_used: int = 0
+    pages_total: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)   # observations since the last take_observations()
+    itl_s: list[float] = field(default_factory=list)
+
+
+class BatcherLoop:
+    """The ContinuousBatcher behind a thread, shared by every front door of one engine."""
+
+    def __init__(self, model: PagedModel, config: SchedulerConfig | None = None, max_waiting: int = 256,
+                 enable_prefix_caching: bool = True, decode: Callable[[Sequence[int]], str] | None = None,
+                 idle_wait: float = 0.05):
+        self.batcher = ContinuousBatcher(model, config, enable_prefix_caching, decode)
+        self.max_waiting = max_waiting
+        self.idle_wait = idle_wait
+        self._inbox: "queue.Queue[tuple]" = queue.Queue()
+        self._handles: dict[str, Handle] = {}
+        self._pending = 0                # submitted, not yet taken by the loop thread
+        self._lock = threading.Lock()
+        self._stats = LoopStats(pages_total=model.num_pages - 1)
+        self._last_token: dict[str, float] = {}
+        self._ids = itertools.count()
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="enginesmith-batcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+               stop_strings: Sequence[str] = (), sampling: SamplingParams | None = None,
+               sink: Callable[[Event], None] | None = None) -> Handle:
+        """Queue a request; its events go to `sink` (or the handle's queue). UserError for a request
+        that cannot run, Overloaded when too many wait, Draining while shutting down."""
+        if not self._accepting:
+            raise Draining("the server is shutting down")
+        self.batcher.check_request(prompt, max_new_tokens, stop_strings)
+        with self._lock:
+            waiting = self._stats.waiting + self._pending
+            if waiting >= self.max_waiting:
+                raise Overloaded(waiting)
+            self._pending += 1
+            rid = f"srv{next(self._ids)}"
+        handle = Handle(rid, len(prompt), sink)
+        self._inbox.put(("add", handle, (list(prompt), max_new_tokens, tuple(stop_token_ids), sampling,
+                                         tuple(stop_strings), time.perf_counter())))
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """End a request (a client went away); its pages go back at the next step."""
+        self._inbox.put(("cancel", request_id))
+
+    def stats(self) -> LoopStats:
+        with self._lock:
+            s = self._stats
+            return LoopStats(s.running, s.waiting + self._pending, s.pages_used, s.pages_total, s.requests_finished,
+                             s.requests_cancelled, s.prompt_tokens, s.generated_tokens, list(s.ttft_s), list(s.itl_s))
+
+    def take_observations(self) -> tuple[list[float], list[float]]:
+        """The TTFT and ITL observations since the last call (for histograms), cleared."""
+        with self._lock:
+            ttft, itl = self._stats.ttft_s, self._stats.itl_s
+            self._stats.ttft_s, self._stats.itl_s = [], []
+            return ttft, itl
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._stats.running + self._stats.waiting + self._pending
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Take no new requests; wait until those in flight end. True if they all did."""
+        self._accepting = False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.in_flight and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+        return self.in_flight == 0
+
+    def close(self) -> None:
+        """Stop the loop thread; requests still in flight end with an error event."""
+        self._accepting = False
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=10)
+        for handle in list(self._handles.values()):
+            handle.put(("error", "the server stopped"))
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take_inbox(block=not self.batcher.has_unfinished)
+            if self._stop.is_set() or not self.batcher.has_unfinished:
+                continue
+            try:
+                out = self.batcher.step()
+            except Exception as exc:  # an engine failure ends every request in flight, not the server
+                self._fail_all(f"the engine failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                continue
+            self._publish(out)
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "add":
+            handle, (prompt, max_new, stop_ids, sampling, stop_strings, submitted) = item[1], item[2]
+            with self._lock:
+                self._pending -= 1
+            try:
+                self.batcher.add_request(prompt, max_new, stop_ids, sampling, handle.request_id, stop_strings)
+            except UserError as exc:
+                handle.put(("error", str(exc)))
+                return
+            self._handles[handle.request_id] = handle
+            self._last_token[handle.request_id] = submitted
+            with self._lock:
+                self._stats.prompt_tokens += len(prompt)
+        elif item[0] == "cancel" and item[1] in self._handles:
+            self.batcher.cancel(item[1])
+
+    def _publish(self, out) -> None:
+        now = time.perf_counter()
+        ttft, itl = [], []
+        for rid, token in out.new_tokens.items():
+            handle = self._handles.get(rid)
+            if handle is None:
+                continue
+            req = self.batcher.request(rid)
+            (ttft if len(req.output) == 1 else itl).append(now - self._last_token[rid])
+            self._last_token[rid] = now
+            handle.put(("token", token))
+        cancelled = 0
+        for rid in out.finished:
+            req = self.batcher.finished.pop(rid)
+            self._last_token.pop(rid, None)
+            cancelled += req.finish_reason == "cancelled"
+            handle = self._handles.pop(rid, None)
+            if handle is not None:
+                handle.put(("done", req.finish_reason, req.stop_reason))
+        b = self.batcher
+        with self._lock:
+            s = self._stats
+            s.running, s.waiting, s.pages_used = len(b.running), len(b.waiting), b.pages_used
+            s.requests_finished += len(out.finished) - cancelled
+            s.requests_cancelled += cancelled
+            s.generated_tokens += len(out.new_tokens)
+            s.ttft_s += ttft
+            s.itl_s += itl
+
+    def _fail_all(self, message: str) -> None:
+        for rid, handle in list(self._handles.items()):
+            handle.put(("error", message))
+            self.batcher.cancel(rid)
+        self._handles.clear()
+        try:  # the cancellations free every page
+            self.batcher.step()
+        except Exception:
+            pass
+        self.batcher.finished.clear()
+        b = self.batcher
+        with self._lock:
+            self._stats.running, self._stats.waiting, self._stats.pages_used = len(b.running), len(b.waiting), b.pages_used

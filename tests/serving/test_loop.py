@@ -1,0 +1,134 @@
+"""serving/loop.py: the one scheduler loop behind every front door, on a tiny paged CPU engine.
+
+Requests submitted from many threads at once come back with the tokens each gets alone; a cancelled
+request ends and its pages return; beyond max_waiting, submit raises Overloaded; drain waits for the
+requests in flight and then refuses new ones; an impossible request is refused in submit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from test_kv_paged import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
+
+from enginesmith.core.errors import UserError
+from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.kv_paged import OrtPagedModel
+from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def engine(paged):  # noqa: F811
+    _, out, _ = paged("llama", 4)
+    return OrtEngine(out, device="cpu", threads=1)
+
+
+def collect(handle, timeout=60.0) -> tuple[list[int], tuple]:
+    tokens = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        event = handle.events.get(timeout=timeout)
+        if event[0] == "token":
+            tokens.append(event[1])
+        else:
+            return tokens, event
+    raise AssertionError("no end event")
+
+
+def alone(engine, prompt, n) -> list[int]:
+    b = ContinuousBatcher(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=1))
+    rid = b.add_request(prompt, n)
+    b.run()
+    return b.finished[rid].output
+
+
+def test_threads_submitting_at_once_get_each_requests_own_tokens(engine):
+    loop = BatcherLoop(OrtPagedModel(engine, 96), SchedulerConfig(max_batch=4, max_tokens=32, chunk=8))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 20, 10)]
+    results: dict[int, tuple] = {}
+
+    def client(i):
+        results[i] = collect(loop.submit(prompts[i], 6))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        for i, p in enumerate(prompts):
+            tokens, end = results[i]
+            assert end == ("done", "length", None) and tokens == alone(engine, p, 6)
+        stats = loop.stats()
+        assert stats.requests_finished == 10 and stats.generated_tokens == 60 and stats.pages_used == 0
+        ttft, itl = loop.take_observations()
+        assert len(ttft) == 10 and len(itl) == 50 and min(ttft) > 0
+    finally:
+        loop.close()
+
+
+def test_cancel_ends_a_request_and_returns_its_pages(engine):
+    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=2))
+    try:
+        handle = loop.submit(list(range(30)), 200)
+        assert handle.events.get(timeout=60)[0] == "token"
+        loop.cancel(handle.request_id)
+        tokens, end = collect(handle)
+        assert end == ("done", "cancelled", None) and len(tokens) < 199
+        deadline = time.monotonic() + 10
+        while loop.stats().pages_used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.stats().pages_used == 0 and loop.stats().requests_cancelled == 1
+    finally:
+        loop.close()
+
+
+def test_overload_is_refused_not_queued_without_bound(engine):
+    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=1), max_waiting=3)
+    try:
+        handles, refused = [], 0
+        for _ in range(12):
+            try:
+                handles.append(loop.submit([1, 2, 3], 20))
+            except Overloaded as exc:
+                refused += 1
+                assert exc.retry_after >= 1
+        assert refused >= 1 and len(handles) <= 5
+        for h in handles:
+            assert collect(h)[1][0] == "done"
+    finally:
+        loop.close()
+
+
+def test_drain_finishes_what_is_in_flight_then_refuses(engine):
+    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=2))
+    try:
+        handles = [loop.submit([5, 6, 7], 10) for _ in range(3)]
+        assert loop.drain(timeout=120)
+        for h in handles:
+            tokens, end = collect(h, timeout=1)
+            assert end[0] == "done" and len(tokens) == 10
+        with pytest.raises(Draining):
+            loop.submit([1], 1)
+    finally:
+        loop.close()
+
+
+def test_impossible_requests_are_refused_in_submit(engine):
+    loop = BatcherLoop(OrtPagedModel(engine, 8), SchedulerConfig(max_batch=2))
+    try:
+        with pytest.raises(UserError, match="empty prompt"):
+            loop.submit([], 4)
+        with pytest.raises(UserError, match="pages"):
+            loop.submit(list(range(40)), 40)
+        with pytest.raises(UserError, match="max_new_tokens"):
+            loop.submit([1], 0)
+    finally:
+        loop.close()

@@ -6,6 +6,7 @@
 #
 #   PHASES="tests bench" bash benchmarks/serving/gpu_serving.sh
 #
+# profile where a decode step spends its time (benchmarks/serving/profile_step.py)
 # tests  the GPU tests of the paged op and the paged engine (identity of 32 mixed requests, 2,000
 #        random requests without a leaked page)
 # bench  1B Llama shape (random weights) fp16 and W4A16 paged engines: offline throughput at concurrency
@@ -73,6 +74,12 @@ step() {
             "${R[@]}" --png "$OUT/throughput_w4a16.png" > "$OUT/offline_w4a16.json"
         step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
             > "$OUT/drawn_fp16.json"
+    fi
+    if [[ " $PHASES " == *" profile "* ]]; then
+        [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged \
+            --page-size 16 --max-batch 64 --capacity 2048 --out /tmp/e/fp16
+        step profile python3 "$REPO/benchmarks/serving/profile_step.py" --engine /tmp/e/fp16 --batch 1,16,64 \
+            --json-out "$OUT/profile_step.json"
     fi
     echo "=== failed steps: $failed"
 } 2>&1 | tee "$LOG"

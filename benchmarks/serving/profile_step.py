@@ -1,0 +1,106 @@
+"""Where a decode step of the CUDA paged engine spends its time, at batch B (issue 18: the batch-64 decode
+step took 9.2 ms on an H100 where weights + KV bound it near 1.3 ms; this finds out why).
+
+For each batch: B requests of --prompt tokens are prefilled through the ContinuousBatcher, then --steps
+decode steps are timed three ways: the whole `batcher.step()` (wall), the engine's `run` alone (wall,
+host work included), and the GPU time of the replayed CUDA graph (CUDA events). Then one decode step
+without CUDA graphs runs under torch.profiler: the top kernels by GPU time.
+
+    python3 benchmarks/serving/profile_step.py --engine /tmp/e/fp16 --batch 1,16,64 --json-out $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.paged_cuda import PagedCudaEngine, open_paged_engine
+
+
+def _prefilled(engine, batch: int, prompt: int, new: int) -> ContinuousBatcher:
+    rng = np.random.default_rng(0)
+    b = ContinuousBatcher(engine, SchedulerConfig(max_batch=batch, max_tokens=batch * 16, chunk=16),
+                          enable_prefix_caching=False)
+    for _ in range(batch):
+        b.add_request(rng.integers(0, 32000, prompt).tolist(), new)
+    while any(r.num_computed < len(r.prompt) for r in b.running) or b.waiting:
+        b.step()
+    return b
+
+
+def _timed(engine, batch: int, prompt: int, steps: int) -> dict:
+    b = _prefilled(engine, batch, prompt, steps + 8)
+    run_s, gpu_ms, step_s = [], [], []
+    inner = engine.run
+
+    def timed_run(ids, step, picks):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(engine.stream)
+        t0 = time.perf_counter()
+        out = inner(ids, step, picks)
+        run_s.append(time.perf_counter() - t0)
+        end.record(engine.stream)
+        end.synchronize()
+        gpu_ms.append(start.elapsed_time(end))
+        return out
+
+    engine.run = timed_run
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = b.step()
+            step_s.append(time.perf_counter() - t0)
+            assert out.width == 1 and len(out.scheduled) == batch
+    finally:
+        engine.run = inner
+    return {"batch": batch, "step_ms": 1e3 * float(np.median(step_s)), "run_ms": 1e3 * float(np.median(run_s)),
+            "gpu_ms": float(np.median(gpu_ms)),
+            "scheduler_ms": 1e3 * float(np.median(step_s) - np.median(run_s))}
+
+
+def _kernels(path: str, batch: int, prompt: int, top: int = 15) -> list[dict]:
+    engine = PagedCudaEngine(f"{path}/model.onnx", device="cuda", max_batch=batch, num_pages=batch * 80 + 8,
+                             cuda_graph=False)
+    b = _prefilled(engine, batch, prompt, 16)
+    b.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        b.step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows.append({"kernel": e.key[:90], "calls": e.count, "us": round(t, 1)})
+    return sorted(rows, key=lambda r: -r["us"])[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batch.split(",")]
+    loaded = open_paged_engine(args.engine, device="cuda", max_batch=max(batches),
+                               num_pages=max(batches) * 80 + 8)
+    result = {"device": torch.cuda.get_device_name(), "engine": args.engine,
+              "timed": [_timed(loaded.engine, b, args.prompt, args.steps) for b in batches]}
+    del loaded
+    torch.cuda.empty_cache()
+    result["kernels_no_graph"] = {b: _kernels(args.engine, b, args.prompt) for b in (batches[0], batches[-1])}
+    print(json.dumps(result, indent=1))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

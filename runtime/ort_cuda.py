@@ -180,6 +180,28 @@ class _Step:
     events: list = field(default_factory=list)
 
 
+def run_captured(engine, step, binding: ort.IOBinding, options: ort.RunOptions, tail=None) -> None:
+    """Run a fixed step of `engine` (GqaEngine, paged_cuda.PagedCudaEngine): WARMUP_RUNS plain runs
+    first (ORT's arena must hold all it needs), then ("torch" graph mode) a CUDA graph captured once
+    and replayed from then on. `tail()` (torch ops after the model, e.g. the greedy argmax) is part of
+    the step. `step` keeps `runs` and `graph`."""
+    if engine.graph_mode != "torch" or step.runs < engine.WARMUP_RUNS:
+        engine._run(binding, options)
+        if tail is not None:
+            tail()
+    else:
+        if step.graph is None:
+            torch = _torch()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=engine.stream, capture_error_mode="thread_local"):
+                engine.session.run_with_iobinding(binding, options)
+                if tail is not None:
+                    tail()
+            step.graph = graph  # capturing ran nothing: the replay below runs this step
+        step.graph.replay()
+    step.runs += 1
+
+
 class GqaEngine:
     """forward(ids, mask, positions, cache) -> logits (the Engine interface of generate/speculative)
     plus the device paths used by `fast_generate_ids` and `greedy_forward`."""
@@ -269,23 +291,7 @@ class GqaEngine:
         return options
 
     def _replay(self, step: _Step, tail=None) -> None:
-        """Run a fixed step: plain runs first, then (CUDA) a captured graph, replayed from then on.
-        `tail()` (torch ops after the model, e.g. the greedy argmax) is part of the step."""
-        if self.graph_mode != "torch" or step.runs < self.WARMUP_RUNS:
-            self._run(step.binding, step.run_options)
-            if tail is not None:
-                tail()
-        else:
-            if step.graph is None:
-                torch = _torch()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                    self.session.run_with_iobinding(step.binding, step.run_options)
-                    if tail is not None:
-                        tail()
-                step.graph = graph  # capturing ran nothing: replay below does this step
-            step.graph.replay()
-        step.runs += 1
+        run_captured(self, step, step.binding, step.run_options, tail)
 
     def _check_room(self, cache: SharedKVCache, seq: int) -> None:
         if cache.length + seq > self.capacity:

@@ -43,7 +43,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.core.kv_layout import PagedStep, check_step
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins.limits import limits as kernel_limits
-from enginesmith.runtime.ort_cuda import (CAPACITY_KEY, _bind, _torch, cuda_session, device_argmax,
+from enginesmith.runtime.ort_cuda import (CAPACITY_KEY, _bind, _torch, cuda_session, device_argmax, run_captured,
                                           sample_on_device)
 from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.tokenizer import Tokenizer
@@ -225,17 +225,7 @@ class PagedCudaEngine:
         return self._buckets[rows]
 
     def _replay(self, bucket: _Bucket) -> None:
-        if self.graph_mode != "torch" or bucket.runs < self.WARMUP_RUNS:
-            self._run(bucket.binding)
-        else:
-            if bucket.graph is None:
-                torch = _torch()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                    self.session.run_with_iobinding(bucket.binding, self._options)
-                bucket.graph = graph  # capturing ran nothing: the replay below runs this step
-            bucket.graph.replay()
-        bucket.runs += 1
+        run_captured(self, bucket, bucket.binding, self._options)
 
     def _decode(self, ids: np.ndarray, tables: np.ndarray, context: np.ndarray, slots: np.ndarray):
         """A decode-only step through its batch bucket: device logits [B, V]."""

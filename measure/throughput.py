@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from enginesmith.core.errors import UserError
 from enginesmith.measure import speed
-from enginesmith.models.corpus import austen_text, novels, tokenize
+from enginesmith.models.corpus import austen_text, data_dir, novels, tokenize
 from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig, StepOutput
 
 RUN_PARAGRAPHS = 8            # a drawn prompt is a run of 1..RUN_PARAGRAPHS paragraphs
@@ -102,6 +102,19 @@ def workload(source, n: int, seed: int = 0, prompt_tokens: int | None = None, ne
         t = new_tokens or int(np.clip(len(tokenize(source, "\n\n" + book[end % len(book)])), 1, max_new))
         out.append(BenchRequest(tuple(int(x) for x in prompt), t))
     return out
+
+
+def workload_source(tokenizer, vocab: int, fixed: bool) -> tuple[object, str]:
+    """(what `workload` takes, what the prompts are): (the tokenizer, "austen"), or with fixed
+    lengths and no corpus installed, (the vocab size, "random ids (no corpus installed)"): random
+    ids cost the same compute. Without the corpus and without fixed lengths, the corpus's UserError."""
+    try:
+        data_dir()
+    except UserError:
+        if not fixed:
+            raise
+        return vocab, "random ids (no corpus installed)"
+    return tokenizer, "austen"
 
 
 def _text(book: Sequence[str], start: int, end: int) -> str:
@@ -229,7 +242,7 @@ def run_offline(model: PagedModel, requests: Sequence[BenchRequest], concurrency
         "output_tokens": out_tokens, "prompt_tokens": prompt_tokens, "seconds": seconds,
         "tok_s": out_tokens / seconds, "total_tok_s": (out_tokens + prompt_tokens) / seconds,
         "req_s": len(requests) / seconds,
-        "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(itl),
+        "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
         "steps": len(steps), "max_batch": max(len(s.scheduled) for s in steps),
         "pages": {"total": model.num_pages - 1, "peak": max(pages), "mean": statistics.fmean(pages)},
         "preemptions": sum(len(s.preempted) for s in steps),
@@ -284,7 +297,8 @@ def decode_bound(steps: Sequence[StepOutput], weight_bytes: int | None, kv_bytes
             "fraction_mean": statistics.fmean(fractions), "fraction_median": statistics.median(fractions)}
 
 
-def _percentiles(seconds: Sequence[float]) -> dict:
+def percentiles(seconds: Sequence[float]) -> dict:
+    """{"p50", "p99"} in milliseconds of durations in seconds (None each when there are none)."""
     if not seconds:
         return {"p50": None, "p99": None}
     p50, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 99])

@@ -136,6 +136,11 @@ class BatcherLoop:
         with self._lock:
             return self._stats.running + self._stats.waiting + self._pending
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (False after close(), or had it died): what a health check reports."""
+        return self._thread.is_alive()
+
     def drain(self, timeout: float | None = None) -> bool:
         """Take no new requests; wait until those in flight end. True if they all did."""
         self._accepting = False

@@ -1,17 +1,18 @@
 """`enginesmith bench`: prefill/decode speed and memory, optionally against HF transformers and with
 speculative decoding; with --requests, the offline serving benchmark (many requests through the
-continuous batcher of a paged engine, at one or several concurrencies)."""
+continuous batcher of a paged engine, at one or several concurrencies); `bench serve`, load on a
+running server over HTTP (cli/bench_serve.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from pathlib import Path
 
-from enginesmith.cli.flags import (add_model_flags, add_speculative_flags, load_engine, speculative_config,
-                                   speculative_decoder)
+from enginesmith.cli import bench_serve
+from enginesmith.cli.flags import (add_model_flags, add_speculative_flags, check_png, int_list, load_engine,
+                                   speculative_config, speculative_decoder)
 from enginesmith.core.errors import UserError
-from enginesmith.models import corpus
 from enginesmith.runtime.chat import stop_token_ids
 
 
@@ -45,6 +46,22 @@ def add_parser(verbs) -> None:
     g.add_argument("--seed", type=int, default=None, help="workload seed (default 0)")
     g.add_argument("--png", default=None, metavar="FILE", help="write tok/s against concurrency to a PNG")
     p.set_defaults(func=cmd_bench)
+    subverbs = p.add_subparsers(dest="bench_verb", metavar="serve", action=_SubVerbs,
+                                title="load on a running server (its own flags; see `enginesmith bench serve --help`)")
+    bench_serve.add_parser(subverbs)
+
+
+class _SubVerbs(argparse._SubParsersAction):
+    """`bench serve ...` takes only its own flags: a flag of `bench` itself given before `serve`
+    (`bench --engine DIR serve`) is refused, not silently dropped or mixed in."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = [a.option_strings[-1] for a in parser._actions
+                 if a.option_strings and a.dest != "help" and getattr(namespace, a.dest, a.default) != a.default]
+        if given:
+            parser.error(f"{given[0]} is a flag of `bench`, given before `{values[0]}`; "
+                         f"`bench {values[0]}` takes its own flags after `{values[0]}`")
+        super().__call__(parser, namespace, values, option_string)
 
 
 OFFLINE_ONLY = ("concurrency", "num_pages", "max_batch_rows", "chunk", "seed", "png")
@@ -107,7 +124,7 @@ def cmd_offline(args) -> int:
     from enginesmith.measure import throughput  # deferred: imports onnxruntime (optional; --help works without)
     from enginesmith.runtime.load import paged_model  # deferred: imports onnxruntime
 
-    concurrencies = _int_list(args.concurrency or "1,8,64", "--concurrency")
+    concurrencies = int_list(args.concurrency or "1,8,64", "--concurrency")
     for flag, value in (("--requests", args.requests), ("--prompt-tokens", args.prompt_tokens),
                         ("--new-tokens", args.new_tokens), ("--max-batch-rows", args.max_batch_rows),
                         ("--chunk", args.chunk)):
@@ -116,9 +133,7 @@ def cmd_offline(args) -> int:
     if args.num_pages is not None and args.num_pages < 2:
         raise UserError(f"--num-pages {args.num_pages} is too few (page 0 is the null page)", "give --num-pages >= 2")
     if args.png:
-        throughput.require_matplotlib()
-        if not Path(args.png).expanduser().resolve().parent.is_dir():
-            raise UserError(f"--png {args.png}: its folder does not exist", "create the folder or give another path")
+        check_png(args.png)
     seed = 0 if args.seed is None else args.seed
     args.batch = args.max_batch_rows  # a CUDA paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args)
@@ -129,7 +144,8 @@ def cmd_offline(args) -> int:
     limit = getattr(model, "max_positions", None) or loaded.max_positions
     max_prompt, max_new = throughput.clips(limit, chunk, args.prompt_tokens, args.new_tokens)
     fixed = args.prompt_tokens is not None and args.new_tokens is not None
-    source, text = _workload_source(loaded, fixed)
+    vocab = getattr(loaded.engine, "vocab", None) or len(loaded.tokenizer)
+    source, text = throughput.workload_source(loaded.tokenizer, vocab, fixed)
     requests = throughput.workload(source, args.requests, seed, args.prompt_tokens, args.new_tokens,
                                    max_prompt=max_prompt, max_new=max_new)
     need = max(-(-(len(r.prompt) + r.new_tokens) // model.page_size) for r in requests)
@@ -147,26 +163,3 @@ def cmd_offline(args) -> int:
         print(f"error: {r['leaked_pages']} KV pages were not given back at concurrency {r['concurrency']} "
               "(fix: this is a bug of the batcher; please report it)", file=sys.stderr)
     return 1 if leaked else 0
-
-
-def _workload_source(loaded, fixed: bool):
-    """(the tokenizer, "austen"), or with fixed lengths and no corpus installed, (the vocab size,
-    "random ids"): random ids cost the same compute."""
-    try:
-        corpus.data_dir()
-    except UserError:
-        if not fixed:
-            raise
-        return getattr(loaded.engine, "vocab", None) or len(loaded.tokenizer), "random ids (no corpus installed)"
-    return loaded.tokenizer, "austen"
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    """"1,8,64" -> [1, 8, 64]: positive integers, each once, in the order given."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag} {text!r} is not a list of integers", f"e.g. {flag} 1,8,64") from None
-    if not values or any(v < 1 for v in values):
-        raise UserError(f"{flag} {text!r} needs positive integers", f"e.g. {flag} 1,8,64")
-    return list(dict.fromkeys(values))

@@ -163,3 +163,25 @@ def generation_config(args, loaded, sampling: SamplingParams) -> GenerationConfi
     return GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling,
                             stop_token_ids=stop_token_ids(loaded.tokenizer, loaded.manifest),
                             stop_strings=tuple(args.stop), max_positions=loaded.context_limit)
+
+
+# ----------------------------------------------------------------------------- list and file flags
+
+def int_list(text: str, flag: str) -> list[int]:
+    """"1,8,64" -> [1, 8, 64]: positive integers, each once, in the order given."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r} is not a list of integers", f"e.g. {flag} 1,8,64") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} {text!r} needs positive integers", f"e.g. {flag} 1,8,64")
+    return list(dict.fromkeys(values))
+
+
+def check_png(path: str) -> None:
+    """--png FILE is writable as a plot before a long run: matplotlib is there, the folder exists."""
+    from enginesmith.measure.throughput import require_matplotlib  # deferred: imports onnxruntime (optional)
+
+    require_matplotlib()
+    if not Path(path).expanduser().resolve().parent.is_dir():
+        raise UserError(f"--png {path}: its folder does not exist", "create the folder or give another path")

@@ -132,3 +132,10 @@ def test_impossible_requests_are_refused_in_submit(engine):
             loop.submit([1], 0)
     finally:
         loop.close()
+
+
+def test_alive_until_closed(engine):
+    loop = BatcherLoop(OrtPagedModel(engine, 8), SchedulerConfig(max_batch=1))
+    assert loop.alive
+    loop.close()
+    assert not loop.alive

@@ -1,0 +1,66 @@
+"""uvicorn, run and stopped the way `enginesmith serve` needs: a drain on the first signal.
+
+    SIGTERM / Ctrl-C ─▶ api.begin_drain() (/health and new requests: 503) ─▶ loop.drain (nothing new taken)
+        ─▶ wait while requests are in flight (at most drain_timeout s; a second signal: at once)
+        ─▶ whatever is left is cut off (loop.close: its streams end with an error) ─▶ uvicorn shuts down
+           (closes the listening socket, lets open responses send their last chunks, lifespan end)
+
+The server keeps listening while it drains, so late clients get a clear 503 rather than a refused
+connection. No signal is re-raised afterwards (uvicorn's default), so a drained server exits 0.
+Once it listens, one line goes to stdout: "enginesmith serve: http://HOST:PORT (...)".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import uvicorn
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, api, loop, drain_timeout: float, summary: str):
+        super().__init__(config)
+        self.api, self.batcher_loop, self.drain_timeout, self.summary = api, loop, drain_timeout, summary
+        self.signals = 0
+        self.cut_off: str | None = None     # why requests in flight were cut off, if they were
+        self._drain_task: asyncio.Future | None = None
+        self._announced = False
+
+    def handle_exit(self, sig, frame) -> None:  # the signal handler uvicorn installs
+        self.signals += 1
+        self.api.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.started and not self._announced:
+            self._announced = True
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            print(f"enginesmith serve: http://{host}:{port} ({self.summary}); SIGTERM or Ctrl-C drains and stops",
+                  flush=True)
+        if self.signals and self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        loop = self.batcher_loop
+        loop.drain(timeout=0)  # takes no more requests; returns at once
+        deadline = time.monotonic() + self.drain_timeout
+        while loop.in_flight and time.monotonic() < deadline and self.signals < 2:
+            await asyncio.sleep(0.05)
+        if loop.in_flight:
+            self.cut_off = "a second signal" if self.signals > 1 else f"the drain timeout ({self.drain_timeout:g} s)"
+            await asyncio.to_thread(loop.close)
+        self.should_exit = True
+
+
+def serve(app, api, loop, host: str, port: int, drain_timeout: float, summary: str, log_level: str = "warning",
+          access_log: bool = False) -> str | None:
+    """Run `app` until a signal and its drain; None if every request in flight finished, else what cut
+    them off ("a second signal", "the drain timeout (30 s)"). SystemExit when uvicorn cannot start
+    (it logs why)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, api, loop, drain_timeout, summary)
+    server.run()
+    return server.cut_off

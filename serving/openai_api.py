@@ -1,0 +1,396 @@
+"""`enginesmith serve`'s HTTP front door: the OpenAI API over the one BatcherLoop (Starlette, ASGI).
+
+    POST /v1/completions        ─┐ auth ─ body (size-bounded) ─ parse + validate (openai_protocol)
+    POST /v1/chat/completions   ─┘   ─ encode (chat template | text | token ids; in a worker thread)
+                                     ─ loop.submit(ids, ..., sink) ══ the loop thread steps the batch ══╗
+         SSE chunks (stream: true) or one JSON body ◀── TextStream ◀── asyncio.Queue ◀── sink ◀═══════╝
+    GET  /v1/models, /v1/models/{model}, /health (503 while draining), /metrics (serving/metrics.py)
+
+Events cross from the loop thread to the event loop with call_soon_threadsafe(queue.put_nowait, ev).
+A client that goes away (the ASGI http.disconnect, or a failed send), mid-stream or while a whole
+answer is being made, cancels its request: its KV pages go back at the loop's next step.
+
+Refusals are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`, never a traceback:
+400 a bad field (openai_protocol), a prompt too long for the engine; 401 a missing or wrong key
+(`Authorization: Bearer`, compared in constant time; /health and /metrics are open); 404 an unknown
+model or route; 405; 413 a body over max_body_bytes; 429 too many requests waiting (Retry-After);
+503 draining (Retry-After); 500 an engine failure or a bug of ours (the message only).
+
+Defaults: max_tokens 16 for /v1/completions (OpenAI's), the room left in the context for chat;
+temperature 1 (OpenAI's; send 0 for greedy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from enginesmith.core.errors import EngineError, UserError
+from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
+from enginesmith.runtime.generate import MAX_NEW_TOKENS
+from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
+from enginesmith.serving.metrics import ServerMetrics
+from enginesmith.serving.openai_protocol import (ApiError, GenerationRequest, chat_body, chat_chunk, completion_body,
+                                                 completion_chunk, error_body, parse_chat, parse_completion,
+                                                 parse_json, usage, usage_chunk)
+from enginesmith.serving.text_stream import TextStream
+
+log = logging.getLogger("enginesmith.serve")
+
+MAX_BODY_BYTES = 4 << 20          # a request body (JSON); prompts are bounded by the engine's context anyway
+COMPLETION_MAX_TOKENS = 16        # /v1/completions without max_tokens (OpenAI's default)
+DRAIN_RETRY_AFTER_S = 5
+
+
+class GenerationFailed(Exception):
+    """The loop ended the request with an error (the engine failed, or the server stopped)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class Generation:
+    """One submitted request as the event loop sees it: its events, its text, its token count."""
+
+    def __init__(self, loop: BatcherLoop, text: TextStream):
+        self.loop = loop
+        self.text = text
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._event_loop = asyncio.get_running_loop()
+        self.request_id: str | None = None
+        self.tokens = 0
+        self.ended = False
+
+    def sink(self, event: tuple) -> None:
+        """Called on the loop thread."""
+        try:
+            self._event_loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, None) per new piece of text, then (the last text, finish reason "stop" | "length")."""
+        while True:
+            event = await self.events.get()
+            if event[0] == "token":
+                self.tokens += 1
+                delta = self.text.push(event[1])
+                if self.text.stopped:  # a stop token, or a stop string the text shows first: it ends here
+                    self.close()
+                    yield delta, "stop"
+                    return
+                if delta:
+                    yield delta, None
+            elif event[0] == "done":
+                self.ended = True
+                yield self.text.finish(), "length" if event[1] == "length" else "stop"
+                return
+            else:
+                self.ended = True
+                raise GenerationFailed(event[1])
+
+    async def collect(self) -> tuple[str, str]:
+        parts, finish = [], "stop"
+        async for delta, finish in self.deltas():
+            parts.append(delta)
+        return "".join(parts), finish
+
+    def close(self) -> None:
+        """End the request if it still runs (the client went away, or a stop string was seen)."""
+        if not self.ended and self.request_id is not None:
+            self.loop.cancel(self.request_id)
+        self.ended = True
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; `on_close()` runs however the stream ends: done, client gone, server stopping.
+
+    The disconnect is watched here, whatever ASGI spec version the server speaks, so a client that
+    leaves while its request still waits (no chunk to fail on yet) is seen at once."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:  # the client went away mid-send
+                pass
+            group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(stream)
+                await _disconnected(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self.on_close()
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive, work):
+    """The result of coroutine `work`, or ClientGone when the client disconnects first."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientGone()
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class OpenAIServer:
+    """The routes' shared state: the loop, the tokenizer, the limits, the metrics, draining."""
+
+    def __init__(self, loaded, loop: BatcherLoop, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, completion_max_tokens: int = COMPLETION_MAX_TOKENS,
+                 metrics_interval_s: float = 1.0):
+        self.loaded, self.loop, self.model_name = loaded, loop, model_name
+        self.tokenizer = loaded.tokenizer
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.completion_max_tokens = completion_max_tokens
+        self.metrics_interval_s = metrics_interval_s
+        self.stop_ids = stop_token_ids(loaded.tokenizer, loaded.manifest)
+        self.vocab = loaded.manifest.model.vocab or len(loaded.tokenizer)
+        self.metrics = ServerMetrics(loop)
+        self.draining = False
+        self.created = int(time.time())
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) and report /health 503; those in flight go on."""
+        self.draining = True
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        async def sample() -> None:  # keeps the loop's latency observations from piling up
+            while True:
+                await asyncio.sleep(self.metrics_interval_s)
+                self.metrics.sample()
+
+        task = asyncio.ensure_future(sample())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    # ------------------------------------------------------------------ routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        if self.draining or not self.loop.alive:
+            status = "draining" if self.draining else "stopped"
+            return JSONResponse({"status": status}, 503, headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        self._authorize(request)
+        try:
+            body = parse_json(await self._body(request))
+            req = parse_chat(body) if chat else parse_completion(body, self.vocab)
+            self._check_model(req.model)
+            if self.draining:
+                raise Draining()
+            ids = await run_in_threadpool(self._encode, req)
+            stop_ids = () if req.ignore_eos else self.stop_ids
+            gen = Generation(self.loop, TextStream(self.tokenizer, stop_ids, req.stop))
+            handle = self.loop.submit(ids, req.max_tokens or self._default_max_tokens(len(ids), chat), stop_ids,
+                                      req.stop, req.sampling, sink=gen.sink)
+            gen.request_id = handle.request_id
+        except ClientDisconnect:  # gone while sending its body
+            return Response(status_code=499)
+        except ApiError:
+            self.metrics.rejected("invalid")
+            raise
+        except Overloaded as exc:
+            self.metrics.rejected("overloaded")
+            raise ApiError(429, str(exc), None, "overloaded", retry_after=exc.retry_after) from None
+        except Draining:
+            self.metrics.rejected("draining")
+            raise ApiError(503, "the server is shutting down and takes no new requests", None, "draining",
+                           retry_after=DRAIN_RETRY_AFTER_S) from None
+        except EngineError as exc:  # the engine's own files (a chat template over its limits): not the client's fault
+            raise ApiError(500, f"the model could not serve this request: {exc.what}", None, "engine_error") from None
+        except UserError as exc:  # a prompt too long for the engine, not UTF-8, refused by the chat template
+            self.metrics.rejected("invalid")
+            raise ApiError(400, str(exc), None, "invalid_request") from None
+
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if req.stream:
+            return EventStream(self._chunks(gen, req, rid, chat, len(ids)), on_close=gen.close)
+        try:
+            text, finish = await _unless_disconnected(request.receive, gen.collect())
+        except ClientGone:
+            return Response(status_code=499)  # nobody is left to read it
+        except GenerationFailed as exc:
+            raise ApiError(500, str(exc), None, "engine_error") from None
+        finally:
+            gen.close()
+        use = usage(len(ids), gen.tokens)
+        make = chat_body if chat else completion_body
+        return JSONResponse(make(rid, int(time.time()), self.model_name, text, finish, use))
+
+    async def _chunks(self, gen: Generation, req: GenerationRequest, rid: str, chat: bool,
+                      prompt_tokens: int) -> AsyncIterator[bytes]:
+        created, model = int(time.time()), self.model_name
+
+        def chunk(text: str | None, finish: str | None) -> bytes:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return _sse(chat_chunk(rid, created, model, delta, finish))
+            return _sse(completion_chunk(rid, created, model, text or "", finish))
+
+        try:
+            if chat:
+                yield _sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None))
+            async for delta, finish in gen.deltas():
+                if delta:
+                    yield chunk(delta, None)
+                if finish is not None:
+                    yield chunk(None, finish)
+            if req.include_usage:
+                yield _sse(usage_chunk(rid, created, model, chat, usage(prompt_tokens, gen.tokens)))
+        except GenerationFailed as exc:
+            yield _sse(error_body(str(exc), "server_error", None, "engine_error"))
+        yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ pieces
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+            raise ApiError(401, "missing or wrong API key (send the header Authorization: Bearer <key>)", None,
+                           "invalid_api_key")
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name[:100]!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the {limit} bytes accepted")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _encode(self, req: GenerationRequest) -> list[int]:
+        """Token ids of the prompt (a worker thread: a chat template or a long text takes a while).
+        Special-token spellings in client text stay text (runtime.chat)."""
+        if req.messages is not None:
+            if not self.tokenizer.chat_template:
+                raise ApiError(400, "this model has no chat template; use /v1/completions", "messages", "unsupported")
+            return encode_chat(self.tokenizer, req.messages)
+        if isinstance(req.prompt, str):
+            return encode_prompt(self.tokenizer, req.prompt, raw=True)
+        return list(req.prompt)
+
+    def _default_max_tokens(self, prompt_tokens: int, chat: bool) -> int:
+        """The room left for the answer (the engine's positions, less a step's padding, and the page
+        pool), at most 16 for completions: a request the engine cannot hold is refused by submit."""
+        batcher = self.loop.batcher
+        model = batcher.model
+        room = (model.num_pages - 1) * model.page_size - prompt_tokens
+        limit = model.max_positions or self.loaded.max_positions
+        if limit:
+            room = min(room, limit - prompt_tokens - (batcher.chunk - 1))
+        cap = MAX_NEW_TOKENS if chat else self.completion_max_tokens
+        return max(1, min(room, cap))
+
+    def _model_card(self) -> dict:
+        model = self.loop.batcher.model
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "enginesmith",
+                "max_model_len": model.max_positions or self.loaded.max_positions}
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a wrong method) in the same JSON shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+    return JSONResponse(error_body(message, ApiError.TYPES.get(exc.status_code, "invalid_request_error"), None, code),
+                        exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s: %s: %s", request.method, request.url.path[:200], type(exc).__name__, exc)
+    return JSONResponse(error_body("internal server error (the server's log has the details)", "server_error"), 500)
+
+
+def make_app(loaded, loop: BatcherLoop, model_name: str, api_key: str | None = None, **options) -> Starlette:
+    """The ASGI app serving `loaded` (a LoadedEngine) through `loop` under `model_name`; `options` are
+    OpenAIServer's (max_body_bytes, completion_max_tokens, metrics_interval_s). The OpenAIServer is
+    app.state.api (its begin_drain() is what a shutdown calls first)."""
+    api = OpenAIServer(loaded, loop, model_name, api_key, **options)
+    routes = [Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/models", api.models, methods=["GET"]),
+              Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+              Route("/health", api.health, methods=["GET"]),
+              Route("/metrics", api.metrics_text, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=api.lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+    app.state.api = api
+    return app

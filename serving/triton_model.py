@@ -1,10 +1,16 @@
 """The Triton python-backend model that serves an engine directory (see serving/triton_repository.py).
 
-Triton calls `execute` with a list of requests; this model is decoupled, so `execute` only queues
-them and returns. Worker threads (WORKERS in config.pbtxt, default 1) take requests one at a time
-and stream: one response per new piece of text, then a final response with every token id and
-the finish reason. A request with a bad parameter gets an error response (the stub keeps
-running); so does one that fails inside generation.
+Triton calls `execute` with a list of requests; this model is decoupled, so `execute` only hands
+them on and returns. Each request streams: one response per new piece of text, then a final
+response with every token id and the finish reason. Who generates depends on the engine:
+
+    paged KV cache     one scheduler loop for every request (serving/triton_batched.py): requests
+                       join and leave the running batch each step; beyond MAX_WAITING queued, a new
+                       request gets an UNAVAILABLE "overloaded" error; a client's cancel frees its pages
+    any other engine   WORKERS threads (config.pbtxt, default 1), each one request at a time
+
+A request with a bad parameter gets an error response (the stub keeps running); so does one that
+fails inside generation.
 
 Requests are untrusted input:
   - numbers are checked as Python ints and floats, as sent (int64 on the wire), against the ranges
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -35,12 +42,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from enginesmith.serving.triton_repository import DEFAULT_MAX_TOKENS, INPUTS, ModelOptions
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.chat import encode_prompt, stop_token_ids
 from enginesmith.runtime.generate import MAX_NEW_TOKENS, GenerationConfig, stream
-from enginesmith.runtime.load import open_engine
+from enginesmith.runtime.load import open_engine, paged_model
 from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
+from enginesmith.serving.triton_batched import BatchedRequests, scheduler_config
+from enginesmith.serving.triton_repository import DEFAULT_MAX_TOKENS, INPUTS, ModelOptions, is_paged
 
 
 @dataclass(frozen=True)
@@ -162,16 +171,40 @@ def prompt_ids(tokenizer: Any, settings: RequestSettings, special_tokens_in_text
                          special_tokens_in_text=special_tokens_in_text)
 
 
+def instance_gpu(args: Mapping[str, Any], visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a model instance Triton placed on a GPU (instance_group KIND_GPU, or
+    Triton's default of one instance per GPU), None for a CPU instance. Each instance is a process of
+    its own, so the model pins it to its GPU: device `model_instance_device_id` as the server numbers
+    them, that is an entry of the server's own CUDA_VISIBLE_DEVICES when one is set."""
+    if str(args.get("model_instance_kind", "")).upper() != "GPU":
+        return None
+    index = int(args.get("model_instance_device_id", 0))
+    names = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if not names:
+        return str(index)
+    if not 0 <= index < len(names):
+        raise UserError(f"Triton placed this model instance on GPU {index}, but CUDA_VISIBLE_DEVICES={visible!r} "
+                        f"names {len(names)}", "fix the instance_group gpus in config.pbtxt")
+    return names[index]
+
+
 def _open(path: Path, options: ModelOptions, params: Mapping[str, str]) -> Any:
-    """LoadedEngine for an ONNX Runtime or TensorRT engine directory, through the runtime's one door."""
+    """LoadedEngine for an ONNX Runtime or TensorRT engine directory, through the runtime's one door
+    (a CUDA paged engine opens with MAX_BATCH rows and NUM_PAGES pages, when set)."""
     plugins = [p for p in params.get("TRT_PLUGINS", "").split(",") if p]
     return open_engine(path, device=options.device, threads=options.threads or None,
-                       verify_hashes=options.verify_hashes, plugin_libraries=plugins)
+                       verify_hashes=options.verify_hashes, plugin_libraries=plugins,
+                       max_batch=options.max_batch or None, num_pages=options.num_pages or None)
 
 
-# While requests are open, how often to ask Triton whether this model is still ready (see _watch).
+# While requests are open, how often to ask Triton whether this model is still ready, and whether a
+# client cancelled its request (see _watch).
 UNLOAD_POLL_S = 0.25
-# How long finalize waits for the workers, all together.
+# How long is_model_ready may take to answer before the model takes it for an unload (see _ready).
+READY_TIMEOUT_S = 1.5
+# On an unload, how long a paged engine's requests in flight may run on before they are ended.
+DRAIN_S = 1.0
+# How long finalize waits for the model's threads, all together.
 FINALIZE_JOIN_S = 5.0
 STOPPING = "the model is being unloaded (an unload or a server shutdown); this answer is incomplete"
 
@@ -180,23 +213,66 @@ class _Stopping(Exception):
     """Raised between tokens when the model is being unloaded."""
 
 
+class TritonReplies:
+    """The model's responses through Triton's python backend (`pb`: triton_python_backend_utils)."""
+
+    def __init__(self, pb: Any, log: Any) -> None:
+        self.pb, self.log = pb, log
+
+    def _response(self, text: str, token_ids: list[int] | None = None, finish: str | None = None) -> Any:
+        tensors = [self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if token_ids is not None:
+            tensors.append(self.pb.Tensor("token_ids", np.asarray(token_ids, dtype=np.int64)))
+        if finish is not None:
+            tensors.append(self.pb.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)))
+        return self.pb.InferenceResponse(output_tensors=tensors)
+
+    def text(self, sender: Any, text: str) -> None:
+        sender.send(self._response(text))
+
+    def final(self, sender: Any, text: str, token_ids: list[int], finish_reason: str) -> None:
+        sender.send(self._response(text, token_ids, finish_reason), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def cancelled(self, sender: Any) -> None:
+        sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def error(self, sender: Any, message: str, code_name: str) -> None:
+        error_type = self.pb.TritonError
+        code = getattr(error_type, code_name, None)
+        error = error_type(message, code) if code is not None else error_type(message)
+        try:
+            sender.send(self.pb.InferenceResponse(output_tensors=[], error=error),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # the client went away: nothing left to tell
+            self.log.log_warn(f"enginesmith: could not send the error response: {exc}")
+
+
 class TritonPythonModel:
     """Triton's entry points: initialize, execute, finalize.
+
+    Serving. A paged engine: `execute` checks each request and submits it to one scheduler loop
+    (serving/triton_batched.py) that batches all of them. Any other engine: `execute` queues the
+    requests and WORKERS threads each generate one at a time (`_work`).
 
     Stopping. Triton calls `finalize` only once no response sender is left open, so an open stream
     would hold the model (and the server's shutdown) until it ends or --exit-timeout-secs runs out,
     and the stub would then be killed, leaving its shared memory and /tmp/python_env_* behind. So a
     watcher thread asks Triton, while requests are open, whether this model is still ready; on an
     unload (server stop or explicit unload) it sets `stopping`: workers end their streams between
-    tokens, and every queued request, with an UNAVAILABLE error. `finalize` does the same, then joins
-    the workers (FINALIZE_JOIN_S in all).
+    tokens, and every queued request, with an UNAVAILABLE error (the scheduler loop: requests in
+    flight get DRAIN_S to finish, then the same error). `finalize` does the same, then joins the
+    threads (FINALIZE_JOIN_S in all). The watcher also passes on clients' cancellations to the loop.
     """
 
     def initialize(self, args: dict) -> None:
         import triton_python_backend_utils as pb_utils  # exists only inside Triton's stub process
 
+        gpu = instance_gpu(args, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if gpu is not None:  # before anything opens CUDA here: the engine sees that GPU alone, as device 0
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpu
         self.pb = pb_utils
         self.log = pb_utils.Logger
+        self.replies = TritonReplies(pb_utils, self.log)
         self.model_name = args["model_name"]
         self.model_version = str(args.get("model_version", ""))
         config = json.loads(args["model_config"])
@@ -219,15 +295,32 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.lock = threading.Lock()  # guards `open_requests` and the stopping/queue hand-over
         self.open_requests = 0
-        self.workers = [threading.Thread(target=self._work, name=f"enginesmith-worker-{i}", daemon=True)
-                        for i in range(self.options.workers)]
+        self.batched: BatchedRequests | None = None
+        self.workers: list[threading.Thread] = []
+        if is_paged(self.loaded.manifest):
+            model = paged_model(self.loaded, self.options.num_pages or None)
+            scheduler = scheduler_config(model, self.options.max_batch)
+            loop = BatcherLoop(model, scheduler, max_waiting=self.options.max_waiting,
+                               decode=self.loaded.tokenizer.decode)
+            self.batched = BatchedRequests(loop, self.loaded.tokenizer, self.stop_ids, self.replies, self.log, STOPPING)
+            how = (f"one scheduler loop ({scheduler.max_batch} rows per step, {model.num_pages - 1} KV pages, "
+                   f"up to {self.options.max_waiting} waiting)")
+        else:
+            self.workers = [threading.Thread(target=self._work, name=f"enginesmith-worker-{i}", daemon=True)
+                            for i in range(self.options.workers)]
+            how = f"{len(self.workers)} worker(s), one request each at a time"
         self.watcher = threading.Thread(target=self._watch, name="enginesmith-unload-watch", daemon=True)
         for thread in [*self.workers, self.watcher]:
             thread.start()
+        where = f" on GPU {gpu}" if gpu is not None else ""
         special = "; request text may spell special tokens" if self.options.special_tokens_in_text else ""
-        self.log.log_info(f"enginesmith: serving {path} with {len(self.workers)} worker(s){special}")
+        self.log.log_info(f"enginesmith: serving {path}{where} with {how}{special}")
 
     def execute(self, requests: list) -> None:
+        if self.batched is not None:
+            for request in requests:
+                self._submit(request)
+            return None
         with self.lock:
             stopping = self.stopping.is_set()
             if not stopping:
@@ -236,22 +329,23 @@ class TritonPythonModel:
                     self.requests.put(request)
         if stopping:
             for request in requests:
-                self._fail(request.get_response_sender(), STOPPING, "UNAVAILABLE")
+                self.replies.error(request.get_response_sender(), STOPPING, "UNAVAILABLE")
         return None
 
     def finalize(self) -> None:
         self._stop("finalize")
         deadline = time.monotonic() + FINALIZE_JOIN_S
-        for thread in [*self.workers, self.watcher]:
+        threads = [*self.workers, self.watcher] + ([self.batched.responder] if self.batched is not None else [])
+        for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in self.workers if t.is_alive()]
+        alive = [t.name for t in threads if t.is_alive()]
         if alive:
             self.log.log_warn(f"enginesmith: {', '.join(alive)} still busy after {FINALIZE_JOIN_S:.0f} s")
 
     # ------------------------------------------------------------------ stopping
 
     def _stop(self, why: str) -> None:
-        """Set `stopping` (once), answer every queued request with UNAVAILABLE, release the workers."""
+        """Set `stopping` (once); end every request: the loop's after DRAIN_S, the workers' queue now."""
         with self.lock:
             if self.stopping.is_set():
                 return
@@ -265,36 +359,86 @@ class TritonPythonModel:
             for _ in self.workers:
                 self.requests.put(None)
         self.log.log_info(f"enginesmith: stopping ({why}); ending open requests")
+        if self.batched is not None:
+            self.batched.stop(DRAIN_S)
         for request in pending:
             if request is not None:
-                self._fail(request.get_response_sender(), STOPPING, "UNAVAILABLE")
+                self.replies.error(request.get_response_sender(), STOPPING, "UNAVAILABLE")
                 self._closed()
 
+    def _open_count(self) -> int:
+        return self.batched.open_requests if self.batched is not None else self.open_requests
+
     def _watch(self) -> None:
-        """Poll `is_model_ready` while requests are open: an unload has begun when it says no (or the
-        server, exiting, refuses to answer). Idle, the model holds nothing that delays an unload."""
+        """While requests are open: pass clients' cancellations on to the loop, and poll
+        `is_model_ready`: an unload has begun when it says no (or the server, exiting, refuses to
+        answer). Idle, the model holds nothing that delays an unload."""
         is_ready = getattr(self.pb, "is_model_ready", None)
         if is_ready is None:
             self.log.log_warn("enginesmith: this python backend has no is_model_ready; open streams will hold "
                               "an unload until they end")
-            return
         while not self.stopping.wait(UNLOAD_POLL_S):
-            if not self.open_requests:
+            if not self._open_count():
                 continue
-            try:
-                ready = is_ready(model_name=self.model_name, model_version=self.model_version)
-            except Exception as exc:  # "Server not ready": the server is stopping
-                self.log.log_info(f"enginesmith: is_model_ready failed ({exc})")
-                ready = False
-            if not ready:
+            if is_ready is not None and not self._ready(is_ready):
                 self._stop("the model is being unloaded")
                 return
+            if self.batched is not None:
+                self.batched.check_cancelled()
+
+    def _ready(self, is_ready: Any) -> bool:
+        """is_model_ready, asked from a thread of its own: no answer within READY_TIMEOUT_S means an
+        unload holds the server's model state (seen with SIGTERM: the call then blocks until the
+        exit timeout kills the stub), so it counts as not ready."""
+        answer: queue.Queue = queue.Queue(maxsize=1)
+
+        def ask() -> None:
+            try:
+                answer.put(bool(is_ready(model_name=self.model_name, model_version=self.model_version)))
+            except Exception as exc:  # "Server not ready": the server is stopping
+                self.log.log_info(f"enginesmith: is_model_ready failed ({exc})")
+                answer.put(False)
+
+        threading.Thread(target=ask, name="enginesmith-ready-probe", daemon=True).start()
+        try:
+            return answer.get(timeout=READY_TIMEOUT_S)
+        except queue.Empty:
+            self.log.log_info(f"enginesmith: is_model_ready gave no answer in {READY_TIMEOUT_S} s")
+            return False
 
     def _closed(self) -> None:
         with self.lock:
             self.open_requests -= 1
 
     # ------------------------------------------------------------------ per request
+
+    def _values(self, request: Any) -> dict[str, Any]:
+        """The request's input tensors as {name: numpy array} (the absent optional ones left out)."""
+        values = {}
+        for t in INPUTS:
+            tensor = self.pb.get_input_tensor_by_name(request, t.name)
+            if tensor is not None:
+                values[t.name] = tensor.as_numpy()
+        return values
+
+    def _submit(self, request: Any) -> None:
+        """A paged engine: check one request and hand it to the scheduler loop, or answer its error."""
+        sender = request.get_response_sender()
+        try:
+            if self.stopping.is_set():
+                raise Draining()
+            settings = request_settings(self._values(request), self.options.max_tokens)
+            ids = prompt_ids(self.loaded.tokenizer, settings, self.options.special_tokens_in_text)
+            self.batched.submit(request, sender, ids, settings.max_tokens, settings.sampling, settings.stop)
+        except UserError as exc:
+            self.replies.error(sender, str(exc), "INVALID_ARG")
+        except Overloaded as exc:
+            self.replies.error(sender, f"the model is overloaded: {exc}", "UNAVAILABLE")
+        except Draining:
+            self.replies.error(sender, STOPPING, "UNAVAILABLE")
+        except Exception as exc:  # never let one request take the stub down
+            self.log.log_error(f"enginesmith: request failed: {type(exc).__name__}: {exc}")
+            self.replies.error(sender, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL")
 
     def _work(self) -> None:
         while True:
@@ -308,40 +452,18 @@ class TritonPythonModel:
                 with self.exclusive:
                     self._serve(request, sender)
             except _Stopping:
-                self._fail(sender, STOPPING, "UNAVAILABLE")
+                self.replies.error(sender, STOPPING, "UNAVAILABLE")
             except UserError as exc:
-                self._fail(sender, str(exc), "INVALID_ARG")
+                self.replies.error(sender, str(exc), "INVALID_ARG")
             except Exception as exc:  # never let one request take the stub down
                 self.log.log_error(f"enginesmith: request failed: {type(exc).__name__}: {exc}")
-                self._fail(sender, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL")
+                self.replies.error(sender, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL")
             finally:
                 self._closed()
 
-    def _fail(self, sender: Any, message: str, code_name: str) -> None:
-        error_type = self.pb.TritonError
-        code = getattr(error_type, code_name, None)
-        error = error_type(message, code) if code is not None else error_type(message)
-        try:
-            sender.send(self.pb.InferenceResponse(output_tensors=[], error=error),
-                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # the client went away: nothing left to tell
-            self.log.log_warn(f"enginesmith: could not send the error response: {exc}")
-
-    def _response(self, text: str, token_ids: list[int] | None = None, finish: str | None = None) -> Any:
-        tensors = [self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        if token_ids is not None:
-            tensors.append(self.pb.Tensor("token_ids", np.asarray(token_ids, dtype=np.int64)))
-        if finish is not None:
-            tensors.append(self.pb.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)))
-        return self.pb.InferenceResponse(output_tensors=tensors)
-
     def _serve(self, request: Any, sender: Any) -> None:
-        values = {}
-        for t in INPUTS:
-            tensor = self.pb.get_input_tensor_by_name(request, t.name)
-            if tensor is not None:
-                values[t.name] = tensor.as_numpy()
-        settings = request_settings(values, self.options.max_tokens)
+        """One request, alone, through runtime.generate.stream (engines without paged KV)."""
+        settings = request_settings(self._values(request), self.options.max_tokens)
         loaded = self.loaded
         config = GenerationConfig(max_new_tokens=settings.max_tokens, sampling=settings.sampling,
                                   stop_token_ids=self.stop_ids, stop_strings=settings.stop,
@@ -357,9 +479,8 @@ class TritonPythonModel:
             if self.stopping.is_set():  # dropping the generator ends it
                 raise _Stopping()
             if request.is_cancelled():
-                sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.replies.cancelled(sender)
                 return
             if deltas[0]:
-                sender.send(self._response(deltas[0]))
-        sender.send(self._response("", completion.token_ids, completion.finish_reason),
-                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.replies.text(sender, deltas[0])
+        self.replies.final(sender, "", completion.token_ids, completion.finish_reason)

@@ -4,9 +4,24 @@
     <repo>/<model>/1/model.py        a shim: `from enginesmith.serving.triton_model import TritonPythonModel`
     <repo>/<model>/1/engine/         only with copy_engine=True (hard links where the filesystem allows)
 
-The model drives our own runtime (open_engine -> stream) over the engine, so ONNX Runtime and
-TensorRT engines are served the same way; for TensorRT engines the plan and plugin library paths
-are written into the config as parameters (TRT_PLAN, TRT_PLUGINS) and checked here, at write time.
+The model drives our own runtime over the engine. How it serves depends on the engine's KV layout:
+
+    paged KV (`build --kv paged`, or `--for-cuda --kv paged`)   one scheduler loop (serving/loop.py) for
+        all of Triton's requests: in-flight batching, MAX_BATCH rows per step over NUM_PAGES KV pages,
+        at most MAX_WAITING requests queued (beyond that: an UNAVAILABLE "overloaded" error)
+    any other engine (dense, ring, CUDA-lowered dense, TensorRT)  WORKERS threads, each generating one
+        request at a time (a TensorRT engine: one at a time in all)
+
+The writer takes either (a TensorRT plan has no paged layout yet, so requiring one would drop it) and
+says on stderr when an engine will be served one request per worker. For TensorRT engines the plan and
+plugin library paths are written into the config as parameters (TRT_PLAN, TRT_PLUGINS) and checked
+here, at write time.
+
+Instances: without `gpus` the config has no instance_group: Triton makes one instance on each GPU it
+sees, or one CPU instance on a machine without GPUs (the CPU case: KIND_CPU groups are not needed).
+`gpus=(0, 1)` writes one group per GPU, `{ kind: KIND_GPU, count: 1, gpus: [ i ] }`: one replica of
+the engine (its own process, scheduler loop and KV pool) on each GPU named, and none elsewhere. The
+model pins itself to its instance's GPU (CUDA_VISIBLE_DEVICES, see triton_model.instance_gpu).
 
 Request tensors (all but text_input optional; names follow Triton's generate extension):
     text_input [1] string   max_tokens [1] int64   temperature [1] fp32   top_k [1] int64
@@ -32,9 +47,10 @@ import argparse
 import os
 import shutil
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import EngineError, UserError
@@ -71,6 +87,7 @@ OUTPUTS = (
     Tensor("finish_reason", "TYPE_STRING"),
 )
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_WAITING = 256
 
 
 @dataclass(frozen=True)
@@ -84,12 +101,20 @@ class ModelOptions:
     verify_hashes: bool = True        # sha256 every engine file at load (slow for big engines)
     max_tokens: int = DEFAULT_MAX_TOKENS
     special_tokens_in_text: bool = False  # request text may spell control tokens (trusted clients only)
+    # paged engines (one scheduler loop): rows per step (0 = the engine's: a CUDA paged engine's build
+    # --max-batch, else DEFAULT_MAX_BATCH), KV pages (0 = what fits: runtime.load.paged_model, or the
+    # CUDA engine's share of GPU memory), requests queued before new ones are refused as overloaded
+    max_batch: int = 0
+    num_pages: int = 0
+    max_waiting: int = DEFAULT_MAX_WAITING
 
     def parameters(self) -> dict[str, str]:
         return {"ENGINE_DIR": self.engine, "DEVICE": self.device, "THREADS": str(self.threads),
                 "WORKERS": str(self.workers), "VERIFY_HASHES": "1" if self.verify_hashes else "0",
                 "DEFAULT_MAX_TOKENS": str(self.max_tokens),
-                "SPECIAL_TOKENS_IN_TEXT": "1" if self.special_tokens_in_text else "0"}
+                "SPECIAL_TOKENS_IN_TEXT": "1" if self.special_tokens_in_text else "0",
+                "MAX_BATCH": str(self.max_batch), "NUM_PAGES": str(self.num_pages),
+                "MAX_WAITING": str(self.max_waiting)}
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "ModelOptions":
@@ -117,7 +142,14 @@ class ModelOptions:
                    threads=integer("THREADS", 0, 0), workers=integer("WORKERS", 1, 1),
                    verify_hashes=params.get("VERIFY_HASHES", "1") not in ("0", "false", "False"),
                    max_tokens=integer("DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS, 1),
-                   special_tokens_in_text=flag("SPECIAL_TOKENS_IN_TEXT", False))
+                   special_tokens_in_text=flag("SPECIAL_TOKENS_IN_TEXT", False),
+                   max_batch=integer("MAX_BATCH", 0, 0), num_pages=integer("NUM_PAGES", 0, 0),
+                   max_waiting=integer("MAX_WAITING", DEFAULT_MAX_WAITING, 1))
+
+
+def is_paged(manifest: Manifest) -> bool:
+    """Whether the engine has a paged KV cache, which the model serves through one scheduler loop."""
+    return manifest.kv_layout.type == "paged"
 
 
 def _tensor_block(t: Tensor, with_optional: bool) -> str:
@@ -130,20 +162,35 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def config_pbtxt(model_name: str, parameters: Mapping[str, str]) -> str:
-    """The model's config.pbtxt: python backend, decoupled, no batching by Triton (we batch)."""
+def config_pbtxt(model_name: str, parameters: Mapping[str, str], gpus: Sequence[int] = ()) -> str:
+    """The model's config.pbtxt: python backend, decoupled, no batching by Triton (we batch); with
+    `gpus`, one instance group per GPU."""
     inputs = ",\n".join(_tensor_block(t, True) for t in INPUTS)
     outputs = ",\n".join(_tensor_block(t, False) for t in OUTPUTS)
     params = "".join(f"parameters: {{\n  key: {_quote(k)}\n  value: {{ string_value: {_quote(v)} }}\n}}\n"
                      for k, v in parameters.items())
+    groups = ",\n".join(f"  {{ kind: KIND_GPU, count: 1, gpus: [ {g} ] }}" for g in gpus)
+    instances = f"instance_group [\n{groups}\n]\n" if gpus else ""
     return (f"# Written by `enginesmith triton`. Streams one response per text delta (decoupled).\n"
             f"name: {_quote(model_name)}\n"
             f'backend: "python"\n'
             f"max_batch_size: 0\n"
             f"model_transaction_policy {{\n  decoupled: true\n}}\n"
+            f"{instances}"
             f"input [\n{inputs}\n]\n"
             f"output [\n{outputs}\n]\n"
             f"{params}")
+
+
+def parse_gpus(text: str) -> tuple[int, ...]:
+    """`--gpus 0,1` -> (0, 1): distinct CUDA device ordinals, as the server sees them."""
+    try:
+        gpus = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--gpus {text!r} is not a list of GPU numbers", "give e.g. --gpus 0,1") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise UserError(f"--gpus {text!r} must name distinct GPUs, numbered from 0", "give e.g. --gpus 0,1")
+    return gpus
 
 
 def _trt_parameters(root: Path, manifest: Manifest) -> dict[str, str]:
@@ -247,13 +294,17 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
                            *, execution_env: str | Path | None = None, device: str = "auto",
                            threads: int = 0, workers: int = 1, copy_engine: bool = False,
                            verify_hashes: bool = True, max_tokens: int = DEFAULT_MAX_TOKENS,
-                           special_tokens_in_text: bool = False, force: bool = False) -> Path:
+                           special_tokens_in_text: bool = False, force: bool = False, max_batch: int = 0,
+                           num_pages: int = 0, max_waiting: int = DEFAULT_MAX_WAITING,
+                           gpus: Sequence[int] = ()) -> Path:
     """Write `<out_repo>/<model_name>/` for `engine`; return that model directory.
 
     The model directory is written atomically (nothing is left behind on failure); other models in
     `out_repo` are untouched. `execution_env` is the Python environment Triton's stub runs the
     model in (EXECUTION_ENV_PATH: a venv directory or a venv-pack tarball with enginesmith and
     numpy<2 installed); without it, the stub uses the first `python3` on the server's PATH.
+    `max_batch`, `num_pages` and `max_waiting` size the scheduler loop of a paged engine (0: the
+    engine's own, see ModelOptions); `gpus` writes one instance group per GPU (module docstring).
     """
     engine = Path(engine).resolve()
     if not model_name or any(c in model_name for c in "/\\ \"'") or model_name.startswith("."):
@@ -262,6 +313,14 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
         raise UserError(f"unknown device {device!r}", "use auto, cpu or cuda")
     if workers < 1 or threads < 0 or max_tokens < 1:
         raise UserError("workers must be >= 1, threads >= 0 and max_tokens >= 1", "fix the values")
+    if max_batch < 0 or max_waiting < 1 or num_pages < 0 or num_pages == 1:
+        raise UserError(f"max_batch={max_batch}, num_pages={num_pages}, max_waiting={max_waiting}: the scheduler "
+                        "needs max_batch >= 0, num_pages 0 or >= 2 and max_waiting >= 1 (0 = the engine's own)",
+                        "fix the values")
+    gpus = tuple(gpus)
+    if gpus and device == "cpu":
+        raise UserError("GPU instance groups (gpus) were asked for a model that runs on the CPU",
+                        "leave out --gpus, or use --device cuda (or auto)")
     manifest = engine_dir.verify(engine, hashes=verify_hashes)
     backend = manifest.backend.name
     if backend not in ("onnxruntime", "tensorrt"):
@@ -269,7 +328,8 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
                         "build it with `enginesmith build --backend ort` or `--backend trt`")
     options = ModelOptions(engine="1/engine" if copy_engine else str(engine), device=device,
                            threads=threads, workers=workers, verify_hashes=verify_hashes,
-                           max_tokens=max_tokens, special_tokens_in_text=special_tokens_in_text)
+                           max_tokens=max_tokens, special_tokens_in_text=special_tokens_in_text,
+                           max_batch=max_batch, num_pages=num_pages, max_waiting=max_waiting)
     params = options.parameters()
     if backend == "tensorrt":
         params.update(_trt_parameters(engine, manifest))
@@ -287,7 +347,7 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
     target = out_repo / model_name
     with engine_dir.write_atomically(target, overwrite=force, replaceable=_is_model_written_here,
                                      kind="a model directory `enginesmith triton` wrote") as tmp:
-        (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, params))
+        (tmp / "config.pbtxt").write_text(config_pbtxt(model_name, params, gpus))
         (tmp / "1").mkdir()
         (tmp / "1" / "model.py").write_text(MODEL_SHIM)
         if copy_engine:
@@ -313,7 +373,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with enginesmith and numpy<2; default: the server's python3")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="ONNX Runtime device")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = all cores)")
-    parser.add_argument("--workers", type=int, default=1, help="requests generated at once (ONNX Runtime)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="engines without paged KV: requests generated at once, one per worker thread")
+    parser.add_argument("--max-batch", type=int, default=0,
+                        help="paged engines: rows per scheduler step (0 = the engine's own; CPU: 64)")
+    parser.add_argument("--num-pages", type=int, default=0, help="paged engines: KV pages in the pool (0 = what fits)")
+    parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                        help="paged engines: requests queued before new ones get an UNAVAILABLE 'overloaded' error")
+    parser.add_argument("--gpus", default=None, metavar="0,1",
+                        help="one model instance (engine replica) per GPU named: instance_group KIND_GPU, gpus [i] "
+                             "(default: none written; Triton then puts one instance on each GPU it sees)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default max_tokens per request")
     parser.add_argument("--copy-engine", action="store_true",
                         help="put the engine's listed files inside the repository (hard links where possible)")
@@ -329,6 +398,12 @@ def run(args: argparse.Namespace) -> int:
     model = write_model_repository(args.engine, args.out, args.name, execution_env=args.env, device=args.device,
                                    threads=args.threads, workers=args.workers, copy_engine=args.copy_engine,
                                    verify_hashes=not args.no_verify, max_tokens=args.max_tokens,
-                                   special_tokens_in_text=args.allow_special_tokens_in_text, force=args.force)
+                                   special_tokens_in_text=args.allow_special_tokens_in_text, force=args.force,
+                                   max_batch=args.max_batch, num_pages=args.num_pages, max_waiting=args.max_waiting,
+                                   gpus=parse_gpus(args.gpus) if args.gpus is not None else ())
+    if not is_paged(engine_dir.read_manifest(Path(args.engine))):
+        print(f"note: {args.engine} has no paged KV cache: the model serves {args.workers} request(s) at a time "
+              "(--workers); build the engine with --kv paged (GPU: --for-cuda --kv paged) for in-flight batching",
+              file=sys.stderr)
     print(model)
     return 0

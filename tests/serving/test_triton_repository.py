@@ -313,8 +313,12 @@ def test_non_utf8_and_multi_element_inputs_are_user_errors():
 
 def test_config_parameters_round_trip():
     options = ModelOptions(engine="/e", device="cpu", threads=2, workers=3, verify_hashes=False, max_tokens=9,
-                           special_tokens_in_text=True)
+                           special_tokens_in_text=True, max_batch=16, num_pages=300, max_waiting=5)
     assert ModelOptions.from_parameters(options.parameters()) == options
+    older = ModelOptions.from_parameters({"ENGINE_DIR": "/e"})  # a config written before the scheduler parameters
+    assert (older.max_batch, older.num_pages, older.max_waiting) == (0, 0, 256)
+    with pytest.raises(UserError, match="MAX_WAITING=0 is below 1"):
+        ModelOptions.from_parameters({"ENGINE_DIR": "/e", "MAX_WAITING": "0"})
     assert ModelOptions.from_parameters({"ENGINE_DIR": "/e"}).special_tokens_in_text is False
     with pytest.raises(UserError, match="SPECIAL_TOKENS_IN_TEXT='yes' is not 0 or 1"):
         ModelOptions.from_parameters({"ENGINE_DIR": "/e", "SPECIAL_TOKENS_IN_TEXT": "yes"})
@@ -369,3 +373,82 @@ def test_special_token_text_in_requests_stays_text_by_default(tiny_engine, raw):
         assert count(prompt_ids(tokenizer, settings)) == count(plain)
         # the deployer's opt-in restores them (proof the check above can fail)
         assert count(prompt_ids(tokenizer, settings, special_tokens_in_text=True)) == count(plain) + 4
+
+
+# ----------------------------------------------------------------------------- instances and scheduler
+
+def test_gpus_write_one_instance_group_per_gpu(tmp_path):
+    engine = fake_engine(tmp_path / "engine")
+    model = write_model_repository(engine, tmp_path / "repo", "m", gpus=(0, 1), max_batch=32, num_pages=500,
+                                   max_waiting=64)
+    config = parse((model / "config.pbtxt").read_text())
+    groups = [(g.kind, g.count, list(g.gpus)) for g in config.instance_group]
+    kind_gpu = type(config.instance_group[0]).Kind.Value("KIND_GPU")
+    assert groups == [(kind_gpu, 1, [0]), (kind_gpu, 1, [1])]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert (params["MAX_BATCH"], params["NUM_PAGES"], params["MAX_WAITING"]) == ("32", "500", "64")
+    # without gpus (the CPU case) no instance_group is written: Triton picks its default
+    plain = write_model_repository(engine, tmp_path / "repo", "cpu", device="cpu")
+    assert "instance_group" not in (plain / "config.pbtxt").read_text()
+    assert not parse((plain / "config.pbtxt").read_text()).instance_group
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"gpus": (0,), "device": "cpu"}, "GPU instance groups"),
+    ({"num_pages": 1}, "num_pages 0 or >= 2"),
+    ({"max_waiting": 0}, "max_waiting >= 1"),
+    ({"max_batch": -1}, "max_batch >= 0"),
+])
+def test_bad_scheduler_and_instance_arguments_are_refused(tmp_path, kwargs, match):
+    engine = fake_engine(tmp_path / "engine")
+    with pytest.raises(UserError, match=match):
+        write_model_repository(engine, tmp_path / "repo", "m", **kwargs)
+    assert not (tmp_path / "repo" / "m").exists()
+
+
+def test_parse_gpus():
+    from enginesmith.serving.triton_repository import parse_gpus
+
+    assert parse_gpus("0,1") == (0, 1) and parse_gpus("3") == (3,)
+    for bad in ("", "0,0", "-1", "a,b", "0,,1"):
+        with pytest.raises(UserError, match="--gpus"):
+            parse_gpus(bad)
+
+
+def test_instance_gpu_pins_each_instance_to_its_gpu():
+    from enginesmith.serving.triton_model import instance_gpu
+
+    gpu = {"model_instance_kind": "GPU", "model_instance_device_id": "1"}
+    assert instance_gpu({"model_instance_kind": "CPU", "model_instance_device_id": "0"}, None) is None
+    assert instance_gpu(gpu, None) == "1"
+    assert instance_gpu(gpu, "4,6") == "6"  # the server's own numbering: an entry of its CUDA_VISIBLE_DEVICES
+    assert instance_gpu(gpu, "GPU-aaaa, GPU-bbbb") == "GPU-bbbb"
+    with pytest.raises(UserError, match="GPU 1"):
+        instance_gpu(gpu, "4")
+
+
+def test_cli_notes_an_engine_served_one_request_per_worker(tmp_path, capsys):
+    import argparse
+
+    from enginesmith.serving import triton_repository as triton
+
+    parser = argparse.ArgumentParser()
+    triton.add_arguments(parser)
+    dense = fake_engine(tmp_path / "dense")
+    assert triton.run(parser.parse_args(["--engine", str(dense), "--out", str(tmp_path / "repo"), "--name", "d",
+                                         "--workers", "2", "--gpus", "0,1"])) == 0
+    err = capsys.readouterr().err
+    assert "no paged KV cache: the model serves 2 request(s) at a time" in err and "--kv paged" in err
+    assert parse((tmp_path / "repo" / "d" / "config.pbtxt").read_text()).instance_group[1].gpus == [1]
+    paged = tmp_path / "paged"
+    paged.mkdir()
+    (paged / "model.onnx").write_bytes(b"onnx")
+    engine_dir.write_manifest(paged, {"graph": "model.onnx", "model": {"max_positions": 64},
+                                      "kv_layout": {"type": "paged", "page_size": 16},
+                                      "backend": {"name": "onnxruntime", "version": "1.32.0"}})
+    assert triton.run(parser.parse_args(["--engine", str(paged), "--out", str(tmp_path / "repo"), "--name", "p",
+                                         "--max-batch", "16"])) == 0
+    assert "no paged KV" not in capsys.readouterr().err
+    with pytest.raises(UserError, match="--gpus"):
+        triton.run(parser.parse_args(["--engine", str(paged), "--out", str(tmp_path / "repo"), "--name", "q",
+                                      "--gpus", "x"]))

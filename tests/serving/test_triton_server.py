@@ -11,7 +11,6 @@ The tests in this module run in order and share one server (started once, ~15 s)
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import sys
 import threading
@@ -22,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from external import missing, require_module  # noqa: E402
 from triton_server import TritonServer, model_env, pytriton_root  # noqa: E402
+from triton_server import grpc_stream as triton_grpc_stream  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
@@ -94,42 +93,8 @@ def server(smollm2_engine, tmp_path_factory):
 # ----------------------------------------------------------------------------- clients
 
 def grpc_stream(url: str, prompt: str | None, on_chunk: Callable[[], None] | None = None, **params) -> dict:
-    """One streamed request over gRPC: {"text", "token_ids", "finish_reason", "chunks"} or {"error"}
-    (with "chunks" received before it); `on_chunk` is called at each response."""
-    import tritonclient.grpc as grpcclient
-
-    types = {"max_tokens": ("INT64", np.int64), "temperature": ("FP32", np.float32), "top_k": ("INT64", np.int64),
-             "top_p": ("FP32", np.float32), "repetition_penalty": ("FP32", np.float32), "seed": ("INT64", np.int64)}
-    inputs = []
-    if prompt is not None:
-        inputs.append(grpcclient.InferInput("text_input", [1], "BYTES"))
-        inputs[-1].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
-    for name, value in params.items():
-        triton_type, np_type = types[name]
-        inputs.append(grpcclient.InferInput(name, [1], triton_type))
-        inputs[-1].set_data_from_numpy(np.array([value], dtype=np_type))
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    try:
-        client.async_stream_infer(MODEL, inputs)
-        out: dict = {"text": "", "chunks": 0}
-        while True:
-            result, error = results.get(timeout=300)
-            if error is not None:
-                return {"error": str(error), "chunks": out["chunks"]}
-            out["text"] += result.as_numpy("text_output")[0].decode()
-            out["chunks"] += 1
-            if on_chunk is not None:
-                on_chunk()
-            finish = result.as_numpy("finish_reason")
-            if finish is not None:
-                out["finish_reason"] = finish[0].decode()
-                out["token_ids"] = result.as_numpy("token_ids").tolist()
-                return out
-    finally:
-        client.stop_stream()
-        client.close()
+    """One streamed request over gRPC to this module's model (triton_server.grpc_stream)."""
+    return triton_grpc_stream(url, MODEL, prompt, on_chunk, **params)
 
 
 def http_stream(url: str, body: dict, on_chunk: Callable[[], None] | None = None) -> dict:

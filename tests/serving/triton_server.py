@@ -31,6 +31,9 @@ from pathlib import Path
 from enginesmith.core.paths import cache_dir
 
 MODEL_ENV_REQUIREMENTS = ["numpy<2"]
+GRPC_TYPES = {"max_tokens": ("INT64", "int64"), "temperature": ("FP32", "float32"), "top_k": ("INT64", "int64"),
+              "top_p": ("FP32", "float32"), "repetition_penalty": ("FP32", "float32"), "seed": ("INT64", "int64"),
+              "raw": ("BOOL", "bool")}
 
 
 def pytriton_root() -> Path | None:
@@ -198,3 +201,71 @@ class TritonServer:
             else:
                 p.unlink(missing_ok=True)
         return left
+
+
+class GrpcStream:
+    """One gRPC stream to the server (tritonclient's start_stream), open until `close()`; `infer` sends
+    one request on it and collects its responses. Opening costs a channel: open streams before timing."""
+
+    def __init__(self, url: str) -> None:
+        import queue
+
+        import tritonclient.grpc as grpcclient
+
+        self.results: queue.Queue = queue.Queue()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: self.results.put((result, error)))
+
+    def infer(self, model: str, prompt: str | None, on_chunk=None, cancel_after: int | None = None,
+              timeout: float = 300.0, **params) -> dict:
+        """{"text", "token_ids", "finish_reason", "chunks", "first_s", "total_s"} or {"error", "chunks"};
+        `on_chunk` is called at each response. With `cancel_after`, the client cancels the request after
+        that many responses (closing the stream) and gets {"cancelled": True, "chunks"}."""
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        if prompt is not None:
+            inputs.append(grpcclient.InferInput("text_input", [1], "BYTES"))
+            inputs[-1].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        for name, value in params.items():
+            triton_type, np_type = GRPC_TYPES[name]
+            inputs.append(grpcclient.InferInput(name, [1], triton_type))
+            inputs[-1].set_data_from_numpy(np.array([value], dtype=np_type))
+        begun = time.perf_counter()
+        self.client.async_stream_infer(model, inputs)
+        out: dict = {"text": "", "chunks": 0}
+        while True:
+            result, error = self.results.get(timeout=timeout)
+            if error is not None:
+                return {"error": str(error), "chunks": out["chunks"]}
+            out["text"] += result.as_numpy("text_output")[0].decode()
+            out["chunks"] += 1
+            out.setdefault("first_s", time.perf_counter() - begun)
+            if on_chunk is not None:
+                on_chunk()
+            finish = result.as_numpy("finish_reason")
+            if finish is not None:
+                out["finish_reason"] = finish[0].decode()
+                out["token_ids"] = result.as_numpy("token_ids").tolist()
+                out["total_s"] = time.perf_counter() - begun
+                return out
+            if cancel_after is not None and out["chunks"] >= cancel_after:
+                self.close(cancel_requests=True)
+                return {"cancelled": True, "chunks": out["chunks"]}
+
+    def close(self, cancel_requests: bool = False) -> None:
+        if self.client is not None:
+            self.client.stop_stream(cancel_requests=cancel_requests)
+            self.client.close()
+            self.client = None
+
+
+def grpc_stream(url: str, model: str, prompt: str | None, on_chunk=None, cancel_after: int | None = None,
+                timeout: float = 300.0, **params) -> dict:
+    """One request on a stream of its own (GrpcStream.infer), closed after it."""
+    stream = GrpcStream(url)
+    try:
+        return stream.infer(model, prompt, on_chunk, cancel_after, timeout, **params)
+    finally:
+        stream.close()

@@ -40,9 +40,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.core.kv_layout import PagedStep
+from enginesmith.core.kv_layout import PagedStep, paged_step
 from enginesmith.runtime.block_manager import KVCacheManager
-from enginesmith.runtime.kv_paged import build_step
 from enginesmith.runtime.sampling import SamplingParams
 
 
@@ -333,7 +332,8 @@ class ContinuousBatcher:
         for r, (req, n) in enumerate(zip(rows, counts)):
             ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
         starts = [req.num_computed for req in rows]
-        step = build_step(self.manager, [req.request_id for req in rows], starts, counts, width)
+        step = paged_step([self.manager.block_ids(req.request_id) for req in rows], self.manager.block_size,
+                          starts, counts, width)
         picks, sampled = [], []
         for r, (req, n) in enumerate(zip(rows, counts)):
             if req.num_computed + n == len(req.tokens):  # the prompt is all computed: sample a token

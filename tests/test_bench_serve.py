@@ -234,10 +234,7 @@ def test_tokenizer_of_an_engine_a_served_path_or_the_default(tiny_engine):
 
 
 @pytest.mark.slow
-def test_default_tokenizer_is_smollm2s():
-    from conftest import _require_default_model
-
-    _require_default_model()
+def test_default_tokenizer_is_smollm2s(smollm2):  # the fixture: the default model is installed (else skip)
     for served in ("SmolLM2-135M-Instruct", "/"):  # a name, and a path that is no model: the default
         tok, what = http_load.load_tokenizer(None, served=served)
         assert what == "gguf SmolLM2-135M-Instruct.Q4_1.gguf" and len(tok) == 49152

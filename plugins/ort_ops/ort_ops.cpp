@@ -294,6 +294,15 @@ OrtStatus* output_like(OrtKernelContext* ctx, size_t i, const std::vector<int64_
   return g_api->GetTensorMutableData(v, data);
 }
 
+// The three outputs of both attention ops: out, and the present K and V caches of the past's shape
+// (the same memory as the past when the runtime binds them so).
+OrtStatus* attention_outputs(OrtKernelContext* ctx, const std::vector<int64_t>& out_dims,
+                             const std::vector<int64_t>& cache_dims, void** out, void** present_k, void** present_v) {
+  ORT_TRY(output_like(ctx, 0, out_dims, out));
+  ORT_TRY(output_like(ctx, 1, cache_dims, present_k));
+  return output_like(ctx, 2, cache_dims, present_v);
+}
+
 OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   const std::string& op = k.def->name;
   std::vector<Tensor> in(kAttentionInputs);
@@ -330,9 +339,7 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   p.cos = static_cast<const __half*>(cos.data);
   p.sin = static_cast<const __half*>(sin.data);
   void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
-  ORT_TRY(output_like(ctx, 0, {p.B, p.S, int64_t(p.H) * p.D}, &out));
-  ORT_TRY(output_like(ctx, 1, past_k.dims, &present_k));
-  ORT_TRY(output_like(ctx, 2, past_v.dims, &present_v));
+  ORT_TRY(attention_outputs(ctx, {p.B, p.S, int64_t(p.H) * p.D}, past_k.dims, &out, &present_k, &present_v));
   p.out = static_cast<__half*>(out);
   p.k_cache = static_cast<__half*>(present_k);
   p.v_cache = static_cast<__half*>(present_v);
@@ -422,9 +429,7 @@ OrtStatus* compute_paged_attention(Kernel& k, OrtKernelContext* ctx) {
   if (p.B > 0 && p.S > 0)
     if (const std::string why = enginesmith::paged_gqa_check(p); !why.empty()) return error(op + ": " + why);
   void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
-  ORT_TRY(output_like(ctx, 0, {p.B, p.S, int64_t(p.H) * p.D}, &out));
-  ORT_TRY(output_like(ctx, 1, key_pool.dims, &present_k));
-  ORT_TRY(output_like(ctx, 2, value_pool.dims, &present_v));
+  ORT_TRY(attention_outputs(ctx, {p.B, p.S, int64_t(p.H) * p.D}, key_pool.dims, &out, &present_k, &present_v));
   p.out = static_cast<__half*>(out);
   p.key_pool = static_cast<__half*>(present_k);
   p.value_pool = static_cast<__half*>(present_v);

@@ -197,11 +197,8 @@ def _open(path: Path, options: ModelOptions, params: Mapping[str, str]) -> Any:
                        max_batch=options.max_batch or None, num_pages=options.num_pages or None)
 
 
-# While requests are open, how often to ask Triton whether this model is still ready, and whether a
-# client cancelled its request (see _watch).
+# While requests are open, how often to ask Triton whether this model is still ready (see _watch).
 UNLOAD_POLL_S = 0.25
-# How long is_model_ready may take to answer before the model takes it for an unload (see _ready).
-READY_TIMEOUT_S = 1.5
 # On an unload, how long a paged engine's requests in flight may run on before they are ended.
 DRAIN_S = 1.0
 # How long finalize waits for the model's threads, all together.
@@ -261,7 +258,7 @@ class TritonPythonModel:
     unload (server stop or explicit unload) it sets `stopping`: workers end their streams between
     tokens, and every queued request, with an UNAVAILABLE error (the scheduler loop: requests in
     flight get DRAIN_S to finish, then the same error). `finalize` does the same, then joins the
-    threads (FINALIZE_JOIN_S in all). The watcher also passes on clients' cancellations to the loop.
+    threads (FINALIZE_JOIN_S in all).
     """
 
     def initialize(self, args: dict) -> None:
@@ -370,41 +367,24 @@ class TritonPythonModel:
         return self.batched.open_requests if self.batched is not None else self.open_requests
 
     def _watch(self) -> None:
-        """While requests are open: pass clients' cancellations on to the loop, and poll
-        `is_model_ready`: an unload has begun when it says no (or the server, exiting, refuses to
-        answer). Idle, the model holds nothing that delays an unload."""
+        """Poll `is_model_ready` while requests are open: an unload has begun when it says no (or the
+        server, exiting, refuses to answer). Idle, the model holds nothing that delays an unload."""
         is_ready = getattr(self.pb, "is_model_ready", None)
         if is_ready is None:
             self.log.log_warn("enginesmith: this python backend has no is_model_ready; open streams will hold "
                               "an unload until they end")
+            return
         while not self.stopping.wait(UNLOAD_POLL_S):
             if not self._open_count():
                 continue
-            if is_ready is not None and not self._ready(is_ready):
-                self._stop("the model is being unloaded")
-                return
-            if self.batched is not None:
-                self.batched.check_cancelled()
-
-    def _ready(self, is_ready: Any) -> bool:
-        """is_model_ready, asked from a thread of its own: no answer within READY_TIMEOUT_S means an
-        unload holds the server's model state (seen with SIGTERM: the call then blocks until the
-        exit timeout kills the stub), so it counts as not ready."""
-        answer: queue.Queue = queue.Queue(maxsize=1)
-
-        def ask() -> None:
             try:
-                answer.put(bool(is_ready(model_name=self.model_name, model_version=self.model_version)))
+                ready = is_ready(model_name=self.model_name, model_version=self.model_version)
             except Exception as exc:  # "Server not ready": the server is stopping
                 self.log.log_info(f"enginesmith: is_model_ready failed ({exc})")
-                answer.put(False)
-
-        threading.Thread(target=ask, name="enginesmith-ready-probe", daemon=True).start()
-        try:
-            return answer.get(timeout=READY_TIMEOUT_S)
-        except queue.Empty:
-            self.log.log_info(f"enginesmith: is_model_ready gave no answer in {READY_TIMEOUT_S} s")
-            return False
+                ready = False
+            if not ready:
+                self._stop("the model is being unloaded")
+                return
 
     def _closed(self) -> None:
         with self.lock:

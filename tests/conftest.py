@@ -101,3 +101,11 @@ def ort_ops_lib(tmp_path_factory):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return out / plugin_compile.LIBRARIES["ort_ops"]
+
+
+@pytest.fixture(scope="session")
+def paged_engine():
+    """A tiny random Llama engine with paged KV for the CPU (build --kv paged), cached."""
+    from enginesmith.build.engine import BuildConfig, cached_engine
+
+    return cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)

@@ -22,13 +22,6 @@ PROMPTS = [f"Tell me about the number {i}." for i in range(12)]
 
 
 @pytest.fixture(scope="module")
-def paged_engine():
-    from enginesmith.build.engine import BuildConfig, cached_engine
-
-    return cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)
-
-
-@pytest.fixture(scope="module")
 def alone(paged_engine):
     """alone(prompt, max_tokens) -> greedy token ids of that request run by itself (batch of one)."""
     loaded = open_engine(paged_engine, device="cpu", verify_hashes=False)

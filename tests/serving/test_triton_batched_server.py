@@ -30,13 +30,6 @@ PROMPTS = [f"Request {i}: tell me about the number {i * 7}." for i in range(STRE
 
 
 @pytest.fixture(scope="module")
-def paged_engine():
-    from enginesmith.build.engine import BuildConfig, cached_engine
-
-    return cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)
-
-
-@pytest.fixture(scope="module")
 def alone(paged_engine):
     """Greedy token ids of each prompt run by itself (a batch of one), in-process: the oracle."""
     from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig

@@ -260,7 +260,7 @@ class KVCacheManager:
         seq = self.seqs[request_id]
         assert num_written <= seq.num_tokens and len(token_ids) >= num_written
         full = num_written // self.block_size
-        if full <= seq.num_cached_blocks:
+        if full <= seq.num_cached_blocks or not self.pool.enable_caching:
             return 0
         parent = seq.blocks[seq.num_cached_blocks - 1].block_hash if seq.num_cached_blocks else None
         hashes = hash_blocks(token_ids[:full * self.block_size], self.block_size, parent,

@@ -44,10 +44,17 @@ step() {
     DIR=$(dirname "$(echo "$LIBS" | grep ort_ops | head -1)")
     export ENGINESMITH_PLUGINS_BUILD="$DIR" ENGINESMITH_ORT_OPS_LIB="$DIR/libenginesmith_ort_ops.so" \
            ENGINESMITH_KERNELS_LIB="$DIR/libenginesmith_kernels.so"
+    if [[ " $PHASES " == *" profile "* ]]; then
+        [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged \
+            --page-size 16 --max-batch 64 --capacity 2048 --out /tmp/e/fp16
+        step profile python3 "$REPO/benchmarks/serving/profile_step.py" --engine /tmp/e/fp16 --batch 1,16,64 \
+            --json-out "$OUT/profile_step.json"
+        ES_BATCH_INVARIANT=1 step profile-invariant python3 "$REPO/benchmarks/serving/profile_step.py" \
+            --engine /tmp/e/fp16 --batch 1,16,64 --timed-only --json-out "$OUT/profile_step_invariant.json"
+    fi
     if [[ " $PHASES " == *" tests "* ]]; then
         cd "$REPO/tests"
-        step gpu-tests python3 -m pytest -q -m gpu plugins/test_ort_paged_attention.py plugins/test_ort_attention.py \
-            passes/test_paged_gqa.py test_paged_cuda.py test_throughput_bench.py -p no:cacheprovider
+        step gpu-tests python3 -m pytest -q -m gpu ${GPU_TESTS:-plugins/test_ort_paged_attention.py plugins/test_ort_attention.py passes/test_paged_gqa.py test_paged_cuda.py test_throughput_bench.py} -p no:cacheprovider
         ES_BATCH_INVARIANT=1 step gpu-identity-invariant python3 -m pytest -q -m gpu test_paged_cuda.py \
             -k "32_mixed" -p no:cacheprovider
         cd /tmp
@@ -55,7 +62,7 @@ step() {
     if [[ " $PHASES " == *" bench "* ]]; then
         B=(--dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048)
         R=(--prompt-tokens 512 --new-tokens 256 --json)
-        step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
+        [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
         step single-fp16 "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 4 --concurrency 1 "${R[@]}" \
             > "$OUT/single_fp16.json"
         step offline-fp16 "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 64 --concurrency 16,64 \
@@ -74,12 +81,6 @@ step() {
             "${R[@]}" --png "$OUT/throughput_w4a16.png" > "$OUT/offline_w4a16.json"
         step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
             > "$OUT/drawn_fp16.json"
-    fi
-    if [[ " $PHASES " == *" profile "* ]]; then
-        [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" --dtype fp16 --for-cuda --kv paged \
-            --page-size 16 --max-batch 64 --capacity 2048 --out /tmp/e/fp16
-        step profile python3 "$REPO/benchmarks/serving/profile_step.py" --engine /tmp/e/fp16 --batch 1,16,64 \
-            --json-out "$OUT/profile_step.json"
     fi
     echo "=== failed steps: $failed"
 } 2>&1 | tee "$LOG"

@@ -63,10 +63,11 @@ def _timed(engine, batch: int, prompt: int, steps: int) -> dict:
             "scheduler_ms": 1e3 * float(np.median(step_s) - np.median(run_s))}
 
 
-def _kernels(path: str, batch: int, prompt: int, top: int = 15) -> list[dict]:
+def _kernels(path: str, batch: int, prompt: int, top: int = 15, graph: bool = False) -> list[dict]:
     engine = PagedCudaEngine(f"{path}/model.onnx", device="cuda", max_batch=batch, num_pages=batch * 80 + 8,
-                             cuda_graph=False)
+                             cuda_graph=graph)
     b = _prefilled(engine, batch, prompt, 16)
+    b.step()
     b.step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -80,6 +81,28 @@ def _kernels(path: str, batch: int, prompt: int, top: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
+def _gemm_floor(batches: list[int], hidden: int = 2048, inter: int = 8192, vocab: int = 128256,
+                kv: int = 512) -> list[dict]:
+    """cuBLAS fp16 x[M, K] @ W[N, K]^T through torch at each M over the 1B shapes: GB/s of the weight read
+    (what the engine's GEMMs could reach)."""
+    out = []
+    for n, k in ((hidden + 2 * kv, hidden), (hidden, hidden), (inter, hidden), (hidden, inter), (vocab, hidden)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            for _ in range(3):
+                x @ w.T
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                x @ w.T
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3 / 20
+            out.append({"M": m, "N": n, "K": k, "us": round(us, 1), "GB/s": round(2 * n * k / us / 1e3, 1)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", required=True)
@@ -87,6 +110,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--timed-only", action="store_true", help="skip the kernel tables and the GEMM floor")
     args = ap.parse_args()
     batches = [int(x) for x in args.batch.split(",")]
     loaded = open_paged_engine(args.engine, device="cuda", max_batch=max(batches),
@@ -95,7 +119,12 @@ def main() -> None:
               "timed": [_timed(loaded.engine, b, args.prompt, args.steps) for b in batches]}
     del loaded
     torch.cuda.empty_cache()
+    if args.timed_only:
+        print(json.dumps(result, indent=1))
+        return
     result["kernels_no_graph"] = {b: _kernels(args.engine, b, args.prompt) for b in (batches[0], batches[-1])}
+    result["kernels_graph"] = {b: _kernels(args.engine, b, args.prompt, graph=True) for b in (batches[-1],)}
+    result["gemm_floor"] = _gemm_floor(batches)
     print(json.dumps(result, indent=1))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -118,20 +118,23 @@ def paged_step(block_ids: list[list[int]], page_size: int, starts: list[int], co
     on the right (or the left), its positions living in the pages `block_ids[r]` (in order; they must
     cover starts[r] + counts[r] positions). Tables are padded with page 0, the null page."""
     batch, bs = len(block_ids), page_size
-    slots = np.full((batch, width), -1, np.int32)
-    positions = np.zeros((batch, width), np.int64)
-    ctx = np.zeros(batch, np.int32)
-    for r, (ids, start, n) in enumerate(zip(block_ids, starts, counts)):
-        cols = slice(0, n) if right_padded else slice(width - n, width)
-        pos = np.arange(start, start + n)
-        slots[r, cols] = np.asarray(ids, np.int64)[pos // bs] * bs + pos % bs
-        positions[r, cols] = pos
-        ctx[r] = start + (width if right_padded else n)
-    pages = max(1, int(-(-ctx.max() // bs)))
+    starts_a = np.asarray(starts, np.int64).reshape(batch)
+    counts_a = np.asarray(counts, np.int64).reshape(batch)
+    ctx = (starts_a + (width if right_padded else counts_a)).astype(np.int32)
+    pages = max(1, int(-(-int(ctx.max(initial=1)) // bs)))
     tables = np.zeros((batch, pages), np.int32)  # 0: the null page
-    for r, ids in enumerate(block_ids):
-        ids = list(ids)[:pages]
-        tables[r, :len(ids)] = ids
+    lengths = np.fromiter((min(len(ids), pages) for ids in block_ids), np.int64, batch)
+    if lengths.any():
+        tables[np.arange(pages)[None, :] < lengths[:, None]] = np.concatenate(
+            [np.asarray(ids[:pages], np.int32) for ids in block_ids])
+    # column c of row r holds position start + c - pad (pad = 0 right-padded, width - n left-padded)
+    pad = np.zeros(batch, np.int64) if right_padded else width - counts_a
+    col = np.arange(width)[None, :]
+    pos = starts_a[:, None] + col - pad[:, None]                                   # [B, S]
+    real = (col >= pad[:, None]) & (col < (pad + counts_a)[:, None])
+    page = np.take_along_axis(tables, np.clip(pos // bs, 0, pages - 1), axis=1)
+    slots = np.where(real, page.astype(np.int64) * bs + pos % bs, -1).astype(np.int32)
+    positions = np.where(real, pos, 0)
     return PagedStep(tables, ctx, slots, positions)
 
 

@@ -62,10 +62,10 @@ const Api* g_api = nullptr;
 constexpr int kCublasMinRows = 5;
 
 // ES_BATCH_INVARIANT=1 (read once, at the first kernel's creation): every row's result is independent
-// of how many rows share the call, as a request's greedy tokens alone and batched then are. The GEMV
-// kernel serves every row count (its per-row sums do not depend on M; cuBLAS picks kernels and split-K
-// by M), and the paged attention splits keys as a one-row, one-token call would (the split count
-// depends only on the graph's shapes). Costs speed at large batches; off by default.
+// of how many rows share the call, as a request's greedy tokens alone and batched then are. GEMMs run
+// in fixed slabs of rows through cuBLAS (invariant_gemm: cuBLAS picks kernels and split-K by M), and
+// the paged attention splits keys as a one-row, one-token call would (the split count depends only on
+// the graph's shapes). Costs some speed (batch 1 loses the GEMV kernel); off by default.
 bool batch_invariant() {
   static const bool on = [] {
     const char* v = std::getenv("ES_BATCH_INVARIANT");
@@ -214,6 +214,35 @@ OrtStatus* cublas_gemm(const __half* x, const void* w, __half* y, int M, int N, 
   return st == 0 ? nullptr : error("cublasGemmEx failed with status " + std::to_string(st));
 }
 
+// ES_BATCH_INVARIANT=1: every GEMM runs in slabs of kInvariantRows rows of x (the last one padded), so
+// cuBLAS always sees the same M and picks the same kernel and split-K; a row's result then does not
+// depend on how many rows share the call (as the per-M choice of the default path does), at near the
+// default path's speed where the weights' read dominates (decode), where the GEMV kernel for every M
+// was 9x slower at 64 rows (H100).
+constexpr int kInvariantRows = 64;
+
+OrtStatus* invariant_gemm(const __half* x, const void* w, __half* y, int M, int N, int K, int ldy,
+                          cudaStream_t stream) {
+  __half *xs = nullptr, *ys = nullptr;
+  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&xs), size_t(kInvariantRows) * K * sizeof(__half), stream);
+  if (err == cudaSuccess)
+    err = cudaMallocAsync(reinterpret_cast<void**>(&ys), size_t(kInvariantRows) * N * sizeof(__half), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(xs, 0, size_t(kInvariantRows) * K * sizeof(__half), stream);
+  OrtStatus* status = nullptr;
+  for (int m0 = 0; m0 < M && err == cudaSuccess && !status; m0 += kInvariantRows) {
+    const int rows = std::min(kInvariantRows, M - m0);
+    err = cudaMemcpyAsync(xs, x + size_t(m0) * K, size_t(rows) * K * sizeof(__half), cudaMemcpyDeviceToDevice, stream);
+    if (err == cudaSuccess) status = cublas_gemm(xs, w, ys, kInvariantRows, N, K, N, stream);
+    if (err == cudaSuccess && !status)
+      err = cudaMemcpy2DAsync(y + size_t(m0) * ldy, size_t(ldy) * sizeof(__half), ys, size_t(N) * sizeof(__half),
+                              size_t(N) * sizeof(__half), rows, cudaMemcpyDeviceToDevice, stream);
+  }
+  for (__half* t : {ys, xs})
+    if (t) cudaFreeAsync(t, stream);
+  if (status) return status;
+  return err == cudaSuccess ? nullptr : error(std::string("invariant GEMM: ") + cudaGetErrorString(err));
+}
+
 OrtStatus* cuda_status(const Kernel& k, cudaError_t err) {
   return err == cudaSuccess ? nullptr : error(k.def->name + ": " + cudaGetErrorString(err));
 }
@@ -226,7 +255,8 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
   ORT_TRY(g_api->KernelContextGetGPUComputeStream(ctx, &stream_ptr));
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   (void)cudaGetLastError();  // a launch is judged on its own error only
-  if (p.M < kCublasMinRows || batch_invariant()) return cuda_status(k, enginesmith::gemv_launch(p, stream));
+  const bool invariant = batch_invariant();
+  if (p.M < kCublasMinRows && !invariant) return cuda_status(k, enginesmith::gemv_launch(p, stream));
   // GEMM path, with stream-ordered temporaries (capturable): the normalized x of a norm op, the up
   // product of a SwiGLU, a slice of dequantized int4 weights.
   const int nw = p.swiglu ? 2 : 1;
@@ -252,7 +282,9 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
                                       p.block_size, stream);
         weights = wq;
       }
-      if (err == cudaSuccess) status = cublas_gemm(x, weights, out + n0, p.M, rows, p.K, p.N, stream);
+      if (err == cudaSuccess)
+        status = invariant ? invariant_gemm(x, weights, out + n0, p.M, rows, p.K, p.N, stream)
+                           : cublas_gemm(x, weights, out + n0, p.M, rows, p.K, p.N, stream);
     }
   }
   if (err == cudaSuccess && !status && p.swiglu) err = enginesmith::swiglu_combine(p.y, up, size_t(p.M) * p.N, stream);

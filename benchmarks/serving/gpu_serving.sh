@@ -4,21 +4,25 @@
 # and onnxruntime-genai-cuda; see benchmarks/serving/README.md). Carry .device/janeaustenr (the corpus
 # data) and .device/peers/ortgenai_bench.py (from ../shared/peers).
 #
-#   PHASES="tests bench" bash benchmarks/serving/gpu_serving.sh
+#   PHASES="profile tests fp16 hf genai w4a16 http" bash benchmarks/serving/gpu_serving.sh
 #
 # profile where a decode step spends its time (benchmarks/serving/profile_step.py)
 # tests  the GPU tests of the paged op and the paged engine (identity of 32 mixed requests, 2,000
 #        random requests without a leaked page)
-# bench  1B Llama shape (random weights) fp16 and W4A16 paged engines: offline throughput at concurrency
-#        1 / 16 / 64 (prompt 512, output 256), decode-step bandwidth fraction; HF generate at batch 64
-#        (static cache); ONNX Runtime GenAI at batch 64 — all in this one session.
+# fp16   1B Llama shape (random weights) fp16 paged engine: offline throughput at concurrency 1 / 16 / 64
+#        (prompt 512, output 256), decode-step bandwidth fraction; 256 Austen-drawn requests at 64
+# hf     HF generate at batch 64 (static cache)
+# genai  ONNX Runtime GenAI at batch 32 and 64 (GENAI="32:off 64:off", batch:cuda-graph)
+# w4a16  the same engine with --quant w4a16-rtn, concurrency 1 / 16 / 64
+# http   issue 19: bench serve at 1 / 16 / 64 against enginesmith serve and a real tritonserver
+#        (benchmarks/serving/gpu_http.py; stage starlette, uvicorn, nvidia-pytriton and a numpy<2 file)
 # Everything goes to $OUT (serving.log and JSON files).
 set -uo pipefail
 OUT="${OUT:-/tmp/serving_out}"
 mkdir -p "$OUT"
 LOG="$OUT/serving.log"
 REPO="$(pwd)"
-PHASES="${PHASES:-tests bench}"
+PHASES="${PHASES:-profile tests fp16 hf genai w4a16 http}"
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export ENGINESMITH_CACHE=/tmp/esc HF_HUB_OFFLINE=1
 export ENGINESMITH_JANEAUSTENR="$REPO/.device/janeaustenr"
@@ -59,28 +63,39 @@ step() {
             -k "32_mixed" -p no:cacheprovider
         cd /tmp
     fi
-    if [[ " $PHASES " == *" bench "* ]]; then
-        B=(--dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048)
-        R=(--prompt-tokens 512 --new-tokens 256 --json)
+    B=(--dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048)
+    R=(--prompt-tokens 512 --new-tokens 256 --json)
+    if [[ " $PHASES " == *" fp16 "* ]]; then
         [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
         step single-fp16 "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 4 --concurrency 1 "${R[@]}" \
             > "$OUT/single_fp16.json"
         step offline-fp16 "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 64 --concurrency 16,64 \
             "${R[@]}" --png "$OUT/throughput_fp16.png" > "$OUT/offline_fp16.json"
+        step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
+            > "$OUT/drawn_fp16.json"
+    fi
+    if [[ " $PHASES " == *" hf "* ]]; then
         step hf-generate python3 "$REPO/benchmarks/serving/hf_generate_batch.py" --model "$MODEL" --batch 64 \
             --prompt-tokens 512 --new-tokens 256 --repeats 1 --json-out "$OUT/hf_generate.json"
-        for g in ${GENAI:-"64:off"}; do set -- ${g/:/ }
+    fi
+    if [[ " $PHASES " == *" genai "* ]]; then
+        for g in ${GENAI:-"32:off 64:off"}; do set -- ${g/:/ }
             step "ortgenai-b$1-graph-$2" python3 "$REPO/.device/peers/ortgenai_bench.py" --size 1b --ep cuda --batch "$1" \
                 --prompt-len 512 --new-tokens 256 --cuda-graph "$2" --precisions fp16 --work /tmp/gw \
                 --json-out "$OUT/ortgenai.jsonl"
         done
-        step build-w4a16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --quant w4a16-rtn --out /tmp/e/w4a16
+    fi
+    if [[ " $PHASES " == *" w4a16 "* ]]; then
+        [ -d /tmp/e/w4a16 ] || step build-w4a16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --quant w4a16-rtn --out /tmp/e/w4a16
         step single-w4a16 "${ES[@]}" bench --engine /tmp/e/w4a16 --device cuda --requests 4 --concurrency 1 "${R[@]}" \
             > "$OUT/single_w4a16.json"
         step offline-w4a16 "${ES[@]}" bench --engine /tmp/e/w4a16 --device cuda --requests 64 --concurrency 16,64 \
             "${R[@]}" --png "$OUT/throughput_w4a16.png" > "$OUT/offline_w4a16.json"
-        step drawn "${ES[@]}" bench --engine /tmp/e/fp16 --device cuda --requests 256 --concurrency 64 --json \
-            > "$OUT/drawn_fp16.json"
+    fi
+    if [[ " $PHASES " == *" http "* ]]; then
+        [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
+        ENGINESMITH_TRITON_WHEELS=/tmp/stage/files step http python3 "$REPO/benchmarks/serving/gpu_http.py" \
+            --engine /tmp/e/fp16 --requests "${HTTP_REQUESTS:-128}" --out-dir "$OUT" --servers "${SERVERS:-ours,triton}"
     fi
     echo "=== failed steps: $failed"
 } 2>&1 | tee "$LOG"

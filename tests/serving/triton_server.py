@@ -2,9 +2,10 @@
 
 - The python backend folder is linked into a temp dir with the stub for this Python version.
 - The model's environment (EXECUTION_ENV_PATH) is a small venv that holds only numpy<2 (Triton's
-  stub dies on numpy 2 string tensors) and a .pth that adds this interpreter's site-packages, so
-  it sees enginesmith and everything else installed here. It is built once per machine under the
-  cache dir (needs `pip` to reach the package index once).
+  stub dies on numpy 2 string tensors) and a .pth that adds this interpreter's site-packages (and
+  PYTHONPATH's entries), so it sees enginesmith and everything else installed here. It is built once
+  per machine under the cache dir (needs `pip` to reach the package index once, or a folder of wheels
+  named by ENGINESMITH_TRITON_WHEELS).
 - The server is started with its own shm prefix and stopped by PID; `stop()` reports anything it
   left in /dev/shm or /tmp (python_env_*) and removes it by exact name.
 """
@@ -52,7 +53,9 @@ def _free_port() -> int:
 
 def model_env() -> Path:
     """A venv with numpy<2 that also sees this interpreter's packages; built once, then reused."""
-    sites = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    # this interpreter's site-packages and PYTHONPATH entries (the stub ignores PYTHONPATH itself)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sites = [p for p in [*extra, *site.getsitepackages()] if os.path.isdir(p)]
     key = hashlib.sha256(json_key(sys.prefix, sites, MODEL_ENV_REQUIREMENTS).encode()).hexdigest()[:12]
     env = cache_dir() / "triton-model-env" / f"py{sys.version_info.major}{sys.version_info.minor}-{key}"
     done = env / ".complete"
@@ -61,8 +64,10 @@ def model_env() -> Path:
     tmp = env.with_name(env.name + f".tmp-{os.getpid()}")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--clear", str(tmp)], check=True)
     py = tmp / "bin" / "python"
+    wheels = os.environ.get("ENGINESMITH_TRITON_WHEELS")  # a folder of wheels, for a machine without an index
+    index = ["--no-index", "--find-links", wheels] if wheels else []
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--quiet",
-                    "--disable-pip-version-check", *MODEL_ENV_REQUIREMENTS], check=True)
+                    "--disable-pip-version-check", *index, *MODEL_ENV_REQUIREMENTS], check=True)
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
     lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in sites)

@@ -1,0 +1,112 @@
+"""Issue 19's GPU figures: `enginesmith bench serve` at concurrency 1, 16 and 64 against `enginesmith serve`
+and against a real tritonserver (the nvidia-pytriton wheel's binary) serving the same CUDA paged engine, one
+after the other on one GPU. Each server is started on 127.0.0.1 and stopped by its PID.
+
+    python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 128 --out-dir $OUT [--servers ours,triton]
+
+Triton's model environment needs numpy<2 (tests/serving/triton_server.py says why): on a machine without an
+index, set ENGINESMITH_TRITON_WHEELS to a folder holding a numpy<2 wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "serving"))
+from triton_server import TritonServer, model_env  # noqa: E402  (the tests' server runner)
+
+READY = re.compile(r"enginesmith serve: (http://127\.0\.0\.1:\d+)")
+ES = [sys.executable, "-m", "enginesmith.cli"]
+
+
+def bench(url: str, engine: str, args, api: str, model: str | None, out: Path) -> dict:
+    cmd = [*ES, "bench", "serve", "--url", url, "--api", api, "--concurrency", args.concurrency,
+           "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
+           "--new-tokens", str(args.new_tokens), "--ignore-eos", "--tokenizer", engine, "--json",
+           "--png", str(out.with_suffix(".png"))]
+    if model:
+        cmd += ["--model", model]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    print(run.stderr[-2000:], file=sys.stderr)
+    result = json.loads(run.stdout) if run.stdout.strip().startswith("{") else {"error": run.stdout[-2000:]}
+    result["exit_status"] = run.returncode
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def ours(args, out_dir: Path) -> dict:
+    proc = subprocess.Popen([*ES, "serve", "--engine", args.engine, "--device", "cuda", "--port", "0",
+                             "--max-waiting", "1024"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, deadline, seen = None, time.time() + 600, []
+        while url is None and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise RuntimeError("enginesmith serve exited:\n" + "".join(seen[-40:]))
+            seen.append(line)
+            if m := READY.search(line):
+                url = m.group(1)
+        print("".join(seen), file=sys.stderr)
+        return bench(url, args.engine, args, "openai", None, out_dir / "bench_serve_ours.json")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def triton(args, out_dir: Path) -> dict:
+    from enginesmith.serving.triton_repository import write_model_repository
+
+    work = Path(tempfile.mkdtemp(prefix="es_triton_gpu_"))
+    write_model_repository(args.engine, work / "repo", "m", execution_env=model_env(), device="cuda",
+                           max_tokens=args.new_tokens, verify_hashes=False, max_waiting=1024)
+    server = TritonServer(work / "repo", work)
+    try:
+        server.start(["m"], timeout=600)
+        return bench(f"http://{server.http_url}", args.engine, args, "triton", "m", out_dir / "bench_serve_triton.json")
+    except Exception as exc:  # noqa: BLE001 - reported, with the server's log
+        log = server.log_tail(6000) if server.proc is not None else ""
+        result = {"error": f"{type(exc).__name__}: {exc}"[:3000], "server_log_tail": log}
+        (out_dir / "bench_serve_triton.json").write_text(json.dumps(result, indent=1))
+        return result
+    finally:
+        if server.proc is not None:
+            print("triton leftovers:", server.stop(), file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--servers", default="ours,triton")
+    ap.add_argument("--out-dir", type=Path, required=True)
+    args = ap.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for name in args.servers.split(","):
+        result = (ours if name == "ours" else triton)(args, args.out_dir)
+        summary[name] = [{"concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1), "req_s": round(r["req_s"], 2),
+                          "ttft_ms_p50": r["ttft_ms"]["p50"], "itl_ms_p50": r["itl_ms"]["p50"],
+                          "itl_ms_p99": r["itl_ms"]["p99"], "errors": r["errors"]["by_kind"]}
+                         for r in result.get("runs", [])] or result
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -94,7 +94,7 @@ step() {
     fi
     if [[ " $PHASES " == *" http "* ]]; then
         [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
-        ENGINESMITH_TRITON_WHEELS=/tmp/stage/files step http python3 "$REPO/benchmarks/serving/gpu_http.py" \
+        ENGINESMITH_TRITON_WHEELS="${TRITON_WHEELS:-/tmp/npw}" step http python3 "$REPO/benchmarks/serving/gpu_http.py" \
             --engine /tmp/e/fp16 --requests "${HTTP_REQUESTS:-128}" --out-dir "$OUT" --servers "${SERVERS:-ours,triton}"
     fi
     echo "=== failed steps: $failed"

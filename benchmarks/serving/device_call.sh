@@ -5,6 +5,6 @@ set -u
 OUT_FINAL="$OUT"
 export OUT=/tmp/serving_out_$$
 mkdir -p "$OUT"
-bash benchmarks/serving/gpu_serving.sh > /dev/null 2>&1
+timeout "${LIMIT_S:-560}" bash benchmarks/serving/gpu_serving.sh > /dev/null 2>&1  # leave time to pack
 tar czf "$OUT_FINAL/results.tgz" -C "$OUT" .
 grep -E "^=== |rc=|tok/s|passed|failed|Error|error" "$OUT/serving.log" | tail -80

@@ -31,10 +31,12 @@ ES = [sys.executable, "-m", "enginesmith.cli"]
 def bench(url: str, engine: str, args, api: str, model: str | None, out: Path) -> dict:
     cmd = [*ES, "bench", "serve", "--url", url, "--api", api, "--concurrency", args.concurrency,
            "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
-           "--new-tokens", str(args.new_tokens), "--ignore-eos", "--tokenizer", engine, "--json",
+           "--new-tokens", str(args.new_tokens), "--tokenizer", engine, "--json",
            "--png", str(out.with_suffix(".png"))]
     if model:
         cmd += ["--model", model]
+    if api == "openai":  # an OpenAI-server extension: every answer runs to --new-tokens
+        cmd += ["--ignore-eos"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     print(run.stderr[-2000:], file=sys.stderr)
     result = json.loads(run.stdout) if run.stdout.strip().startswith("{") else {"error": run.stdout[-2000:]}

@@ -30,11 +30,11 @@ MODEL="${MODEL:-random:llama-3.2-1b}"
 failed=0
 step() {
     local name="$1"; shift
-    echo "=== $name: $*"
+    echo "=== $name: $*" >&2
     local t0=$SECONDS
     "$@"
     local rc=$?
-    echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
+    echo "=== $name: rc=$rc, $((SECONDS - t0)) s" >&2
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
     return 0
 }

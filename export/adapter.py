@@ -19,9 +19,14 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def make_cache(config, past: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache holding `past`: per layer (key, value), each [B, Hkv, P, D]."""
-    cache = DynamicCache(config=config)
+def make_cache(config, past: list[tuple[torch.Tensor, torch.Tensor]], keep_all: bool = False) -> DynamicCache:
+    """A DynamicCache holding `past`: per layer (key, value), each [B, Hkv, P, D].
+
+    By default its layers are the config's (a sliding-window layer keeps only its window, as
+    transformers runs the model). `keep_all` makes every layer keep every token, as the exported
+    graph does (present = past + new for every layer; the window is in the attention mask, which
+    transformers builds from the config either way, and the ring KV layout drops what it masks)."""
+    cache = DynamicCache() if keep_all else DynamicCache(config=config)
     for layer, (k, v) in enumerate(past):
         cache.update(k, v, layer)
     return cache

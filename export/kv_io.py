@@ -47,7 +47,7 @@ class KVCacheIO(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.layers)]
-        cache = adapter.make_cache(self.model.config, pairs)
+        cache = adapter.make_cache(self.model.config, pairs, keep_all=True)
         out = adapter.forward(self.model, input_ids, attention_mask, position_ids, cache)
         flat = [out.logits]
         for k, v in adapter.cache_tensors(adapter.output_cache(out)):

@@ -18,6 +18,7 @@ import torch
 
 from enginesmith.core.errors import UserError
 from enginesmith.core.io_names import input_names, output_names
+from enginesmith.export import attention_meta
 from enginesmith.export.kv_io import KVCacheIO, KVShape
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -58,12 +59,14 @@ def export(model, out_path: Path, dtype: str = "fp32", opset: int = 23, verbose:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     quiet = contextlib.nullcontext() if verbose else _silenced()
     try:
-        with quiet, torch.no_grad():
+        with quiet, torch.no_grad(), _state_kept(model):
             program = torch.onnx.export(
                 wrapper, args, dynamo=True, opset_version=opset, optimize=True,
                 input_names=input_names(shape.layers), output_names=output_names(shape.layers),
                 dynamic_shapes=dynamic_shapes(shape.layers), external_data=True,
             )
+            program.model.metadata_props[attention_meta.METADATA_KEY] = attention_meta.dumps(
+                attention_meta.of_config(model.config))
             program.save(str(out_path), external_data=True)
     finally:
         model.to(torch.float32)
@@ -71,6 +74,24 @@ def export(model, out_path: Path, dtype: str = "fp32", opset: int = 23, verbose:
     if not data.exists():  # tiny models can end up without external data; keep the layout fixed
         data.write_bytes(b"")
     return out_path
+
+
+@contextlib.contextmanager
+def _state_kept(model):
+    """Tracing runs forward() on fake tensors; a module that caches a tensor as a plain attribute on
+    first use (Phi-3's LongRoPE `long_inv_freq`) would keep a traced one and give wrong eager
+    results afterwards. Put back the plain tensor attributes as they were (drop the new ones)."""
+    before = {id(m): {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)} for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            kept = before.get(id(m), {})
+            for key in [k for k, v in vars(m).items() if isinstance(v, torch.Tensor)]:
+                if key in kept:
+                    setattr(m, key, kept[key])
+                else:
+                    delattr(m, key)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from enginesmith.core.errors import UserError
-from enginesmith.models.families import family_of
+from enginesmith.models.families import check_config, family_of
 
 MAX_BYTES = 4 << 20   # real config.json files are a few kB; bound what we read and parse
 FIX = "repair the checkpoint's config.json, or pass a checkpoint written by transformers' save_pretrained"
@@ -84,6 +84,7 @@ def check(path: Path, config: dict) -> None:
     if not isinstance(model_type, str):
         raise UserError(f"{path}: field 'model_type' must be a string (got {_show(model_type)})", FIX)
     family = family_of(SimpleNamespace(model_type=model_type, architectures=archs))
+    check_config(family, config)
     sizes = {key: _positive_int(path, config, key, required, upper) for key, required, upper in _SIZES[family.norm]}
     for key in _POSITIVE_NUMBERS:
         value = config.get(key)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from enginesmith.core.errors import UserError
 from enginesmith.models import config_check, dir_manifest, random_tokenizer
-from enginesmith.models.families import Family, family_of
+from enginesmith.models.families import Family, check_config, family_of
 from enginesmith.core.paths import cache_dir, cache_fix, writing_to
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
@@ -314,4 +314,6 @@ def load(spec: str | Source | None) -> LoadedModel:
                             "pass a complete checkpoint directory (config.json and the weights it "
                             "describes)") from None
     model.eval()
-    return LoadedModel(source, model, tokenizer, family_of(model.config))
+    family = family_of(model.config)
+    check_config(family, model.config.to_dict())  # the GGUF and tiny paths skip config_check.read
+    return LoadedModel(source, model, tokenizer, family)

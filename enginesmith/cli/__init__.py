@@ -1,5 +1,5 @@
 """The `enginesmith` command line: export | build | trt-lint | triton | run | chat | serve | bench | eval | doctor |
-plugins.
+plugins | models.
 
 One module per verb (trtexec/polygraphy style), each with `add_parser(verbs)` and `cmd_<verb>(args)`;
 the flags several verbs share live in cli.flags. This module assembles the parser and runs a verb.
@@ -18,13 +18,13 @@ import threading
 import traceback
 
 from enginesmith import __version__
-from enginesmith.cli import bench, build, chat, doctor, export, plugins, serve, triton, trt_lint
+from enginesmith.cli import bench, build, chat, doctor, export, models, plugins, serve, triton, trt_lint
 from enginesmith.cli import eval as eval_verb  # not the builtin
 from enginesmith.cli import run as run_verb  # the module; run() below is the `enginesmith` command
 from enginesmith.core.engine_dir import Terminated
 from enginesmith.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EngineError, UserError
 
-VERBS = (export, build, trt_lint, triton, run_verb, chat, serve, bench, eval_verb, doctor, plugins)  # in --help's order
+VERBS = (export, build, trt_lint, triton, run_verb, chat, serve, bench, eval_verb, doctor, plugins, models)  # in --help's order
 
 
 class _Parser(argparse.ArgumentParser):

@@ -33,6 +33,15 @@ starts and which chunk token fills which sink are inputs computed by the runtime
     -> logits, present.{i}.key/value (same shapes: bind them to the past buffers, TensorScatter
        updates in place), present_sinks.{i}.key/value
 
+Sliding-window models (Mistral with a window W, every layer; the export records it in the graph's
+`enginesmith.attention` metadata): the ring is then the exact sliding window, not an approximation.
+RoPE scores depend only on q - k, and with no sinks the window's positions in the cache are the
+stream's positions shifted by a constant, so the mask gets one more term, cache_pos > query_pos - W,
+and each layer keeps `window` (>= W) slots instead of the whole context. Exact while every chunk
+after the first has at most window - W + 1 tokens (a decode step always; a chunk evicts the oldest
+entries before attending). Sinks would change what the model sees and are refused; so are models
+whose sliding and global layers alternate (Gemma 2/3: one ring size cannot hold both).
+
 Needs the standard Attention and RotaryEmbedding ops (an opset >= 23 export, or fuse_attention
 first); a model without rotary embeddings (GPT-2's learned positions) cannot move its tokens'
 positions and is refused. The pass is exact before any eviction (tested against the dense graph).
@@ -48,6 +57,7 @@ import onnx_ir as ir
 
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
+from enginesmith.export import attention_meta
 from enginesmith.passes.fusion.fuse_attention import ensure_opset, remove_dead_nodes
 from enginesmith.passes.kv.dense_attention import dense_kv_rules, layer_index
 from enginesmith.passes.kv.ring_rope import RopeCloner, rotary_for_cache
@@ -107,7 +117,7 @@ def _new_input(graph: ir.Graph, name: str, dtype: ir.DataType, shape: list, afte
     return value
 
 
-def _shared_inputs(graph: ir.Graph, namer: Namer, params: KVRingParams, batch) -> _Inputs:
+def _shared_inputs(graph: ir.Graph, namer: Namer, params: KVRingParams, batch, sliding: int | None) -> _Inputs:
     mask_in = _graph_input(graph, io_names.ATTENTION_MASK)
     positions = _graph_input(graph, io_names.POSITION_IDS)
     c = params.capacity
@@ -130,6 +140,11 @@ def _shared_inputs(graph: ir.Graph, namer: Namer, params: KVRingParams, batch) -
     query_pos = add_node(graph, namer, "Unsqueeze", [positions, axes_13], dtype=ir.DataType.INT64)
     causal = add_node(graph, namer, "LessOrEqual", [key_pos, query_pos], dtype=ir.DataType.BOOL)
     mask = add_node(graph, namer, "And", [occupied, causal], dtype=ir.DataType.BOOL, base="ring_mask")
+    if sliding is not None:  # the model's own window: query_pos - key_pos < W
+        distance = add_node(graph, namer, "Sub", [query_pos, key_pos], dtype=ir.DataType.INT64)
+        near = add_node(graph, namer, "Less", [distance, const("ring_sliding_window", sliding)],
+                        dtype=ir.DataType.BOOL)
+        mask = add_node(graph, namer, "And", [mask, near], dtype=ir.DataType.BOOL, base="ring_window_mask")
     sink_write = sink_index = None
     if sink_sources is not None:
         zero = const("ring_zero", 0)
@@ -189,18 +204,43 @@ def _ring_one(graph: ir.Graph, namer: Namer, shared: _Inputs, params: KVRingPara
         att.replace_input_with(3, shared.mask)
 
 
+def _sliding_window(model: ir.Model, params: KVRingParams) -> int | None:
+    """The model's own sliding window W when every layer slides by the same W (None: no window);
+    a UserError for what the ring cannot hold exactly (see the module doc)."""
+    layers = attention_meta.layers(model.metadata_props)
+    windows = {layer.window for layer in layers}
+    if not windows or windows == {None}:
+        return None
+    if len(windows) > 1:
+        raise UserError("kv_ring cannot keep this model's attention: " + str(attention_meta.sliding_reason(
+            model.metadata_props, "one ring size for all layers")) + " (sliding and global layers alternate, "
+            "and global layers need the whole context)", "use the dense KV layout for this model")
+    (window,) = windows
+    if params.sinks:
+        raise UserError(f"kv_ring sinks={params.sinks} on a model with a sliding window of {window}: sinks would "
+                        "let tokens see what the model never saw", "use --sinks 0 for sliding-window models")
+    if params.window < window:
+        raise UserError(f"kv_ring window={params.window} is smaller than the model's sliding window of {window}",
+                        f"use --kv-window {window} or more (e.g. {2 * window})")
+    return window
+
+
 def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
     """A ring layout must cover every layer: explain what stops it."""
     attention = [n for n in model.graph if n.op_type == "Attention"]
     if io_names.WRITE_INDICES in {v.name for v in model.graph.inputs}:
         raise UserError("the graph already has a ring KV layout", "apply kv_ring to a dense graph")
     if not attention:
+        unfused = attention_meta.unfused_reason(model.metadata_props)
+        if unfused:
+            raise UserError(f"kv_ring needs an Attention op: {unfused}", "use the dense KV layout for this model")
         raise UserError("the graph has no Attention op for kv_ring to rewrite",
                         "run fuse_attention first, or export at opset 23 or later")
     if not any(n.op_type == "RotaryEmbedding" for n in model.graph):
-        raise UserError("kv_ring needs rotary position embeddings (positions are moved to the "
-                        "tokens' places in the cache); this model has none (learned absolute "
-                        "positions, as GPT-2)", "use the dense KV layout for this model")
+        raise UserError("kv_ring needs rotary position embeddings as RotaryEmbedding ops (positions are "
+                        "moved to the tokens' places in the cache); this graph has none (learned absolute "
+                        "positions, as GPT-2, or a RoPE variant the exporter leaves unfused, as Phi-3's "
+                        "LongRoPE)", "use the dense KV layout for this model")
     matched = {id(m.root) for m in found}
     missing = [n for n in attention if id(n) not in matched]
     reasons = {id(r.root): r.reason for r in rejected}
@@ -242,10 +282,11 @@ def kv_ring(model: ir.Model, params: KVRingParams | None = None, ctx: PassContex
     params = params or KVRingParams()
     found, rejected = match.find_all(model, RULES)
     _refuse(model, found, rejected)
+    sliding = _sliding_window(model, params)
     graph = model.graph
     namer = Namer(graph)
     batch = found[0]["past_k"].shape[0]
-    shared = _shared_inputs(graph, namer, params, batch)
+    shared = _shared_inputs(graph, namer, params, batch, sliding)
     cloner = RopeCloner(graph, namer, _graph_input(graph, io_names.POSITION_IDS), shared.cache_positions, "cache")
     expanded: dict = {}
     for i, m in enumerate(found):  # collect the matches first, then change the graph
@@ -255,5 +296,6 @@ def kv_ring(model: ir.Model, params: KVRingParams | None = None, ctx: PassContex
     _check_inputs_consumed(model)
     ensure_opset(model, RING_OPSET)
     model.metadata_props[METADATA_KEY] = json.dumps(
-        {"type": "ring", "sinks": params.sinks, "window": params.window, "capacity": params.capacity})
-    return PassResult({"ring_layers": len(found)}, rejected)
+        {"type": "ring", "sinks": params.sinks, "window": params.window, "capacity": params.capacity,
+         **({"sliding_window": sliding, "max_exact_chunk": params.window - sliding + 1} if sliding else {})})
+    return PassResult({"ring_layers": len(found), **({"sliding_window": sliding} if sliding else {})}, rejected)

@@ -33,6 +33,7 @@ import onnx_ir as ir
 
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
+from enginesmith.export import attention_meta
 from enginesmith.core.io_names import GRAPH_DOMAIN as DOMAIN
 from enginesmith.passes.fusion.fuse_attention import ensure_opset, remove_dead_nodes
 from enginesmith.passes.kv.dense_attention import dense_kv_rules, layer_index
@@ -126,8 +127,16 @@ def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
     for name in (io_names.INPUT_IDS, io_names.POSITION_IDS, io_names.ATTENTION_MASK):
         if _graph_input(graph, name) is None:
             raise UserError(f"the graph has no input {name!r}", "export the model with the KV-cache signature")
+    sliding = attention_meta.sliding_reason(model.metadata_props, "the paged layout")
+    if sliding:
+        raise UserError(f"kv_paged cannot keep this model's attention: {sliding}",
+                        "use the dense KV layout (the ring layout keeps only the window, for models whose "
+                        "layers all slide)")
     attention = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
     if not attention:
+        unfused = attention_meta.unfused_reason(model.metadata_props)
+        if unfused:
+            raise UserError(f"kv_paged needs an Attention op: {unfused}", "use the dense KV layout for this model")
         raise UserError("the graph has no Attention op for kv_paged to rewrite",
                         "run fuse_attention first, or export at opset 23 or later")
     matched = {id(m.root) for m in found}

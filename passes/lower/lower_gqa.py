@@ -21,7 +21,8 @@ graph's own tables: the subgraph that computes them from `position_ids` is evalu
 Interface after the pass: inputs input_ids [B, S], seqlens_k int32 [B] (tokens in the cache after
 this step, minus 1), total_sequence_length int32 scalar (the longest row's), past_key_values.* [B,
 Hkv, C, D]; attention_mask and position_ids are gone: GQA masks causally by per-row lengths, and
-positions are the row's cache positions. That is exact for caches without holes (no left padding);
+positions are the row's cache positions. A layer with a sliding window of W tokens (the export's
+`enginesmith.attention` metadata) gets local_window_size = W. That is exact for caches without holes (no left padding);
 the runtime (runtime/ort_cuda.py) keeps rows contiguous from slot 0. The pass is checked against the
 unlowered graph by tests/passes/test_lower_gqa.py (the pass manager cannot feed the new interface).
 """
@@ -37,6 +38,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern as _p
 
 from enginesmith.core.errors import UserError
+from enginesmith.export import attention_meta
 from enginesmith.core import io_names
 from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.machinery import match
@@ -267,7 +269,8 @@ class _Reject(Exception):
     pass
 
 
-def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, memo: dict) -> None:
+def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, memo: dict,
+           window: int | None) -> None:
     graph = model.graph
     hkv, d = _kv_dims(m)
     wq, wk, wv = (m[w].const_value.numpy() for w in ("wq", "wk", "wv"))
@@ -294,6 +297,8 @@ def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, 
              ir.AttrFloat32("scale", float(scale) if scale is not None else 1.0 / math.sqrt(d))]
     if match.attr(attention, "softcap", 0.0):
         attrs.append(ir.AttrFloat32("softcap", float(match.attr(attention, "softcap"))))
+    if window is not None:  # transformers: q - k < W; ORT's GQA then takes local_window_size = W (checked
+        attrs.append(ir.AttrInt64("local_window_size", window))  # on CPU by tests/test_families.py)
     gqa = ir.Node(MS_DOMAIN, "GroupQueryAttention",
                   [qkv, None, None, m["past_k"], m["past_v"], feeds[SEQLENS], feeds[TOTAL], cos_v, sin_v],
                   attrs, num_outputs=3, name=namer(f"{base}_gqa"))
@@ -344,9 +349,16 @@ def lower_gqa(model: ir.Model, params: LowerGqaParams, ctx: PassContext | None =
     feeds = _new_inputs(model.graph)
     memo: dict = {}
     lowered = 0
+    layers = attention_meta.layers(model.metadata_props)  # per layer: the sliding window, if any
     for m in found:  # collect the matches first, then change the graph
+        layer = io_names.layer_of(m["past_k"].name)
+        window = layers[layer].window if layers and layer is not None else None
+        if layers and layer is None and attention_meta.windows(model.metadata_props):
+            rejected.append(Rejection(KVCacheAttention.name, m.root.name or "Reshape",
+                                      f"{m['past_k'].name} names no layer, so its sliding window is unknown", m.root))
+            continue
         try:
-            _lower(model, m, namer, feeds, params.capacity, memo)
+            _lower(model, m, namer, feeds, params.capacity, memo, window)
             lowered += 1
         except _Reject as why:
             rejected.append(Rejection(KVCacheAttention.name, m.root.name or "Reshape", str(why), m.root))

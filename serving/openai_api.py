@@ -27,6 +27,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -64,45 +65,79 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class EventRelay:
+    """Hands the loop thread's events to the event loop: one wake-up per batch, not one per token.
+
+    The loop thread publishes a step's events (one token for each of up to max-batch requests) in a
+    burst; the first of a burst schedules `_deliver` on the event loop, the rest only join the list."""
+
+    def __init__(self):
+        self._event_loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._batch: list[tuple[asyncio.Queue, tuple]] = []
+
+    def post(self, queue: asyncio.Queue, event: tuple) -> None:
+        """Called on the loop thread."""
+        with self._lock:
+            self._batch.append((queue, event))
+            if len(self._batch) > 1:
+                return  # a delivery is already scheduled
+        try:
+            self._event_loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+        for queue, event in batch:
+            queue.put_nowait(event)
+
+
 class Generation:
     """One submitted request as the event loop sees it: its events, its text, its token count."""
 
-    def __init__(self, loop: BatcherLoop, text: TextStream):
+    def __init__(self, loop: BatcherLoop, text: TextStream, relay: EventRelay):
         self.loop = loop
         self.text = text
         self.events: asyncio.Queue = asyncio.Queue()
-        self._event_loop = asyncio.get_running_loop()
+        self.relay = relay
         self.request_id: str | None = None
         self.tokens = 0
         self.ended = False
 
     def sink(self, event: tuple) -> None:
         """Called on the loop thread."""
-        try:
-            self._event_loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
+        self.relay.post(self.events, event)
 
     async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, None) per new piece of text, then (the last text, finish reason "stop" | "length")."""
+        """(text, None) per new piece of text, then (the last text, finish reason "stop" | "length").
+        Tokens that arrived together (the client or the event loop fell behind) come as one piece."""
         while True:
-            event = await self.events.get()
-            if event[0] == "token":
-                self.tokens += 1
-                delta = self.text.push(event[1])
-                if self.text.stopped:  # a stop token, or a stop string the text shows first: it ends here
-                    self.close()
-                    yield delta, "stop"
+            events = [await self.events.get()]
+            while not self.events.empty():
+                events.append(self.events.get_nowait())
+            pieces = []
+            for event in events:
+                if event[0] == "token":
+                    self.tokens += 1
+                    pieces.append(self.text.push(event[1]))
+                    if self.text.stopped:  # a stop token, or a stop string the text shows first: it ends here
+                        self.close()
+                        yield "".join(pieces), "stop"
+                        return
+                elif event[0] == "done":
+                    self.ended = True
+                    pieces.append(self.text.finish())
+                    yield "".join(pieces), "length" if event[1] == "length" else "stop"
                     return
-                if delta:
-                    yield delta, None
-            elif event[0] == "done":
-                self.ended = True
-                yield self.text.finish(), "length" if event[1] == "length" else "stop"
-                return
-            else:
-                self.ended = True
-                raise GenerationFailed(event[1])
+                else:
+                    self.ended = True
+                    if any(pieces):
+                        yield "".join(pieces), None
+                    raise GenerationFailed(event[1])
+            if any(pieces):
+                yield "".join(pieces), None
 
     async def collect(self) -> tuple[str, str]:
         parts, finish = [], "stop"
@@ -185,6 +220,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(loop)
         self.draining = False
         self.created = int(time.time())
+        self.relay: EventRelay | None = None
 
     def begin_drain(self) -> None:
         """Refuse new requests (503) and report /health 503; those in flight go on."""
@@ -241,7 +277,9 @@ class OpenAIServer:
                 raise Draining()
             ids = await run_in_threadpool(self._encode, req)
             stop_ids = () if req.ignore_eos else self.stop_ids
-            gen = Generation(self.loop, TextStream(self.tokenizer, stop_ids, req.stop))
+            if self.relay is None:  # made on the event loop's thread, which it wakes
+                self.relay = EventRelay()
+            gen = Generation(self.loop, TextStream(self.tokenizer, stop_ids, req.stop), self.relay)
             handle = self.loop.submit(ids, req.max_tokens or self._default_max_tokens(len(ids), chat), stop_ids,
                                       req.stop, req.sampling, sink=gen.sink)
             gen.request_id = handle.request_id

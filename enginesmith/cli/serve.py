@@ -2,9 +2,16 @@
 
     enginesmith serve --engine DIR | --model SPEC [--device auto|cpu|cuda] [--host 127.0.0.1] [--port 8000]
                       [--max-batch N] [--num-pages K] [--max-waiting N] [--api-key KEY] [--model-name NAME]
+                      [--devices 0,1 | --replicas N]
 
     open the engine (runtime.load) ─▶ its PagedModel ─▶ one BatcherLoop (serving/loop.py) ─▶ the ASGI app
     ─▶ uvicorn; one line on stdout once it listens: "enginesmith serve: http://HOST:PORT ..."
+
+With --devices 0,1 (or --replicas N on one device) this process is a front door instead
+(serving/front_door.py): it starts one such server per GPU as a child process (serving/replicas.py;
+127.0.0.1, a free port, an internal API key), then routes each request to the replica with the
+fewest in flight and passes its answer through. A replica that dies stops the whole server with
+exit status 1 (an orchestrator restarts it); SIGTERM drains every replica, then exits 0.
 
 Every request of every client runs through the one scheduler loop (continuous batching). The
 engine must have paged KV: `enginesmith build --kv paged` (CPU) or `--for-cuda --kv paged` (GPU);
@@ -19,11 +26,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import sys
+from pathlib import Path
 
-from enginesmith.build.engine import BuildConfig
+from enginesmith.build.engine import BuildConfig, cached_engine
 from enginesmith.cli.flags import add_model_flags, load_engine
 from enginesmith.core.errors import UserError
+from enginesmith.serving.replicas import FRONT_DOOR_PID_ENV, ReplicaSet, ReplicaSpec, cuda_visible, watch_front_door
 
 API_KEY_ENV = "ENGINESMITH_API_KEY"
 CPU_MAX_BATCH = 16   # rows per step on the CPU (a --for-cuda engine: its --max-batch)
@@ -57,8 +67,14 @@ def add_parser(verbs) -> None:
                    help="on SIGTERM/Ctrl-C, seconds the requests in flight may take to finish (default 30)")
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="uvicorn's log level (default warning)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    g.add_argument("--devices", default=None, metavar="LIST",
-                   help="GPU ids for one engine replica each, e.g. 0,1 (needs --device cuda)")
+    r = p.add_argument_group("replicas (one engine process each, behind this one front door)")
+    r.add_argument("--devices", default=None, metavar="LIST",
+                   help="GPU ids for one engine replica each, e.g. 0,1 (needs --device cuda); requests go to the "
+                        "replica with the fewest in flight")
+    r.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N engine replicas on the one device (default 1; for tests and CPU hosts; GPUs: --devices)")
+    r.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds the replicas may take to load their engines and listen (default 600)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help=f"rows per scheduler step (default {CPU_MAX_BATCH} on the CPU; a --for-cuda engine: its "
@@ -81,20 +97,48 @@ def _check_flags(args) -> None:
             raise UserError(f"{flag} {value} is too small", f"give {flag} >= {low}")
     if not args.drain_timeout >= 0:
         raise UserError(f"--drain-timeout {args.drain_timeout} is negative", "give --drain-timeout >= 0 seconds")
+    if args.replicas < 1:
+        raise UserError(f"--replicas {args.replicas} is too small", "give --replicas >= 1")
+    if args.devices is not None and args.replicas != 1:
+        raise UserError("--devices and --replicas were both given", "give --devices 0,1 (one replica per GPU) or "
+                        "--replicas N (N on one device), not both")
+    if not args.start_timeout > 0:
+        raise UserError(f"--start-timeout {args.start_timeout} is not positive", "give --start-timeout > 0 seconds")
     missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"enginesmith serve needs {' and '.join(missing)}, which this Python does not have",
                         "pip install 'enginesmith[serve]' (or: pip install starlette uvicorn)")
 
 
-def _check_devices(args, device: str) -> None:
+def _check_devices(args, device: str) -> list[int] | None:
+    """The GPU ids of --devices (distinct, non-negative, below the GPU count torch sees), or None."""
     if args.devices is None:
-        return
+        return None
     if device != "cuda":
         raise UserError(f"--devices {args.devices} places engine replicas on GPUs; the device here is {device}",
                         "add --device cuda on a machine with GPUs, or leave out --devices")
-    raise UserError("--devices (one engine replica per GPU behind one server) is not available yet",
-                    "run one `enginesmith serve` per GPU, each with CUDA_VISIBLE_DEVICES=<id> and its own --port")
+    fix = "give distinct GPU ids, e.g. --devices 0,1"
+    parts = [part.strip() for part in args.devices.split(",")]
+    bad = [part for part in parts if not part.isdigit()]
+    if bad:
+        raise UserError(f"--devices {args.devices}: {bad[0]!r} is not a GPU id (a non-negative integer)", fix)
+    ids = [int(part) for part in parts]
+    if len(set(ids)) != len(ids):
+        raise UserError(f"--devices {args.devices} names a GPU twice", fix)
+    count = _gpu_count()
+    if count and max(ids) >= count:
+        raise UserError(f"--devices {args.devices} names GPU {max(ids)}, but torch sees {count} GPU(s)",
+                        f"give ids from 0 to {count - 1}")
+    return ids
+
+
+def _gpu_count() -> int:
+    """The GPUs torch sees (0 without torch or without GPUs: then --devices is not checked against it)."""
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    import torch  # deferred: heavy; only to check --devices
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def cmd_serve(args) -> int:
@@ -105,12 +149,15 @@ def cmd_serve(args) -> int:
 
     _check_flags(args)
     device = resolve_device(args.device)
-    _check_devices(args, device)
+    devices = _check_devices(args, device)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = None
     if not args.engine:  # --model (or the default model): a paged engine for this device, built once and cached
         cuda = {"target": "ort-cuda", "dtype": "fp16"} if device == "cuda" else {}
         config = BuildConfig(model=args.model, kv_layout="paged", **cuda)
+    if devices is not None or args.replicas > 1:
+        return _serve_replicas(args, device, devices, config, api_key)
+    watch_front_door()  # a replica of a front door: drain once that is gone
     args.batch = args.max_batch  # a --for-cuda paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args, config)
     try:
@@ -150,3 +197,52 @@ def _serve(args, loaded, loop, name: str, api_key: str | None, summary: str) -> 
         print(f"enginesmith serve: stopped; {cut_off} cut off requests still running", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildConfig | None,
+                    api_key: str | None) -> int:
+    """The front door over one `enginesmith serve` child per GPU (or --replicas on one device); the
+    engine is built here once (--model), then each child opens it with the same scheduler flags."""
+    from enginesmith.serving.front_door import make_front_door, serve_front_door  # deferred: imports uvicorn
+
+    if args.engine and args.model:
+        raise UserError("--engine and --model were both given", "pass only one of them")
+    engine = Path(args.engine).resolve() if args.engine else cached_engine(config)
+    internal_key = secrets.token_urlsafe(32)  # only the front door reaches the replicas; never on a command line
+    base = {**os.environ, API_KEY_ENV: internal_key, FRONT_DOOR_PID_ENV: str(os.getpid())}
+    argv = _replica_argv(args, engine, device)
+    if devices is not None:
+        specs = [ReplicaSpec(f"GPU {d}", argv, {**base, "CUDA_VISIBLE_DEVICES": visible})
+                 for d, visible in zip(devices, cuda_visible(devices))]
+    else:
+        specs = [ReplicaSpec(f"{device} #{i}", argv, base) for i in range(args.replicas)]
+    replicas = ReplicaSet.start(specs, args.start_timeout)
+    try:
+        for r in replicas:
+            print(f"enginesmith serve: replica {r.index} ({r.label}, pid {r.pid}) at {r.url}", file=sys.stderr,
+                  flush=True)
+        app = make_front_door(replicas, api_key, internal_key)
+        summary = (f"{len(replicas)} engine replicas ({', '.join(r.label for r in replicas)}) behind one front door"
+                   f"{', API key required' if api_key else ''}")
+        try:
+            failed = serve_front_door(app, args.host, args.port, args.drain_timeout, summary,
+                                      log_level=args.log_level, access_log=args.access_log)
+        except SystemExit:  # uvicorn's start-up failure (it logged why, e.g. the address is in use)
+            raise UserError(f"cannot serve on {args.host}:{args.port} (see the message above)",
+                            "choose another --port or --host, or stop what uses it") from None
+    finally:
+        replicas.kill()  # whatever is still running, on every way out (each stopped by its PID)
+    return 1 if failed else 0
+
+
+def _replica_argv(args, engine: Path, device: str) -> list[str]:
+    """The child's `enginesmith serve` command line: this one's engine and scheduler flags, on 127.0.0.1:0."""
+    argv = [sys.executable, "-m", "enginesmith.cli", "serve", "--engine", str(engine), "--device", device,
+            "--host", "127.0.0.1", "--port", "0", "--max-waiting", str(args.max_waiting),
+            "--drain-timeout", repr(args.drain_timeout), "--log-level", args.log_level,
+            "--gpu-memory-utilization", repr(args.gpu_memory_utilization)]
+    for flag, value in (("--threads", args.threads), ("--model-name", args.model_name),
+                        ("--max-batch", args.max_batch), ("--num-pages", args.num_pages), ("--chunk", args.chunk)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--access-log"] if args.access_log else [])

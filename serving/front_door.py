@@ -1,0 +1,408 @@
+"""The front door of `enginesmith serve --devices 0,1` (or `--replicas N`): one OpenAI API over several replicas.
+
+    clients ──▶ front door (Starlette + uvicorn, --host/--port, the client's --api-key: 401 here)
+                  POST /v1/completions, /v1/chat/completions ── Router: the replica with the fewest requests
+                      in flight (ties: round robin) ──▶ http://127.0.0.1:PORT_i (internal key) ──▶ replica i
+                  ◀── its status, headers and body bytes, passed through as they come (SSE is not re-parsed)
+                  GET /v1/models, /v1/models/{id}   the first live replica's answer
+                  GET /health                       200 only if every replica answers 200 (503 while draining)
+                  GET /metrics                      every replica's metrics with replica="i" added to each sample
+                                                    (HELP/TYPE once), then the front door's own gauges
+
+A client that disconnects (while its whole answer is made, or mid-stream) closes the request to its
+replica, which cancels it and frees its pages. A replica's 4xx/5xx answers (429/503 with Retry-After)
+pass through as they are. A replica whose process ended, or whose port refuses connections, is taken
+out of the routing (503 for a request that found it so); FrontDoorServer, which watches the processes
+(serving/replicas.py), then stops the whole server with exit status 1 so that it is restarted.
+
+    SIGTERM / Ctrl-C ─▶ begin_drain (/health and new requests: 503) ─▶ SIGTERM to every replica (each drains)
+        ─▶ wait until they exit (--drain-timeout + REPLICA_GRACE_S; a second signal is passed on, which cuts
+           their requests off; then SIGKILL) ─▶ the last bytes reach the clients ─▶ uvicorn shuts down
+    exit status: 0 if every replica exited 0; 1 if one cut requests off, was killed, or died while serving
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import sys
+import time
+from typing import Sequence
+
+import anyio
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from enginesmith.serving.metrics import PREFIX
+from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
+from enginesmith.serving.openai_protocol import ApiError, error_body
+from enginesmith.serving.replicas import ReplicaSet
+
+log = logging.getLogger("enginesmith.serve")
+
+REPLICA_GRACE_S = 10.0      # beyond --drain-timeout, what a replica may take to exit before SIGKILL
+PROBE_TIMEOUT_S = 5.0       # /health and /metrics of one replica
+KEEPALIVE_S = 2.0           # an idle connection to a replica is kept this long
+PASSED_HEADERS = ("content-type", "content-length", "retry-after", "cache-control", "x-accel-buffering",
+                  "www-authenticate")
+
+
+class Router:
+    """Which replica takes the next request: the fewest in flight among those up; ties go round robin."""
+
+    def __init__(self, n: int):
+        self.in_flight = [0] * n
+        self.up = [True] * n
+        self._next = 0
+
+    def choose(self) -> int | None:
+        """The replica for the next request (None when none is up); does not count it (see acquire)."""
+        live = [i for i, up in enumerate(self.up) if up]
+        if not live:
+            return None
+        least = min(self.in_flight[i] for i in live)
+        n = len(self.up)
+        for k in range(n):
+            i = (self._next + k) % n
+            if self.up[i] and self.in_flight[i] == least:
+                self._next = (i + 1) % n
+                return i
+        raise AssertionError("unreachable: a live replica has the least requests in flight")
+
+    def acquire(self) -> int | None:
+        i = self.choose()
+        if i is not None:
+            self.in_flight[i] += 1
+        return i
+
+    def release(self, i: int) -> None:
+        assert self.in_flight[i] > 0, f"replica {i}: released more requests than it took"
+        self.in_flight[i] -= 1
+
+
+def relabel_metrics(texts: Sequence[tuple[int, str]]) -> list[str]:
+    """Prometheus text of several replicas as one exposition: each sample line gets `replica="i"` as its
+    first label; a family's HELP and TYPE lines come once, then its samples of every replica together
+    (the format wants each family in one group). `texts`: (replica index, its /metrics text)."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # family -> (HELP/TYPE lines, samples), first seen first
+    for index, text in texts:
+        family: str | None = None
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    headers = families.setdefault(family, ([], []))[0]
+                    if not any(h.startswith(f"# {parts[1]} ") for h in headers):
+                        headers.append(line)
+                continue  # other comments are dropped
+            if not line.strip():
+                continue
+            cut = min((k for k in (line.find("{"), line.find(" ")) if k >= 0), default=len(line))
+            name, rest = line[:cut], line[cut:]
+            if family is None or not name.startswith(family):  # a sample of no declared family
+                family = name
+            label = f'replica="{index}"'
+            rest = rest[2:] if rest.startswith("{}") else rest
+            sample = f"{name}{{{label},{rest[1:]}" if rest.startswith("{") else f"{name}{{{label}}}{rest}"
+            families.setdefault(family, ([], []))[1].append(sample)
+    return [line for headers, samples in families.values() for line in (*headers, *samples)]
+
+
+class FrontDoor:
+    """The routes' shared state: the replicas, the router, the keys, the HTTP client, draining."""
+
+    def __init__(self, replicas: ReplicaSet, api_key: str | None, internal_key: str,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.replicas = replicas
+        self.router = Router(len(replicas))
+        self.api_key = api_key.encode() if api_key else None
+        self.upstream_headers = {"authorization": f"Bearer {internal_key}"}
+        self.max_body_bytes = max_body_bytes
+        self.draining = False
+        self.rejected = {"unauthorized": 0, "draining": 0, "unavailable": 0}
+        self.client: httpx.AsyncClient | None = None
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def mark_down(self, i: int) -> None:
+        self.router.up[i] = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        # no pool limit (every stream holds a connection), no read timeout (a whole answer takes its time), and
+        # idle connections dropped well before uvicorn's keep-alive timeout (5 s) could close one as it is reused
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=PROBE_TIMEOUT_S), limits=limits)
+        try:
+            yield
+        finally:
+            await self.client.aclose()
+
+    # ------------------------------------------------------------------ routes
+
+    async def generate(self, request: Request) -> Response:
+        self._authorize(request)
+        try:
+            body = await self._body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if self.draining:
+            self.rejected["draining"] += 1
+            raise ApiError(503, "the server is shutting down and takes no new requests", None, "draining",
+                           retry_after=DRAIN_RETRY_AFTER_S)
+        i = self.router.acquire()
+        if i is None:
+            self.rejected["unavailable"] += 1
+            raise ApiError(503, "no engine replica is running", None, "unavailable", retry_after=DRAIN_RETRY_AFTER_S)
+        headers = {**self.upstream_headers, "content-type": request.headers.get("content-type", "application/json")}
+        upstream = self.client.build_request("POST", self.replicas[i].url + request.url.path, content=body,
+                                             headers=headers)
+        return Proxied(self, i, upstream)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        live = [i for i, up in enumerate(self.router.up) if up]
+        if not live:
+            raise ApiError(503, "no engine replica is running", None, "unavailable", retry_after=DRAIN_RETRY_AFTER_S)
+        try:
+            r = await self.client.get(self.replicas[live[0]].url + request.url.path, headers=self.upstream_headers,
+                                      timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError:
+            raise ApiError(503, "the engine replica did not answer", None, "unavailable",
+                           retry_after=DRAIN_RETRY_AFTER_S) from None
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    async def health(self, request: Request) -> Response:
+        answers = await asyncio.gather(*(self._probe(i, "/health") for i in range(len(self.replicas))))
+        states = [_health_state(r) for r in answers]
+        replicas = [{"replica": i, "status": s} for i, s in enumerate(states)]
+        if self.draining:
+            return JSONResponse({"status": "draining", "replicas": replicas}, 503,
+                                headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+        if all(s == "ok" for s in states):
+            return JSONResponse({"status": "ok", "replicas": replicas})
+        return JSONResponse({"status": "degraded", "replicas": replicas}, 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        answers = await asyncio.gather(*(self._probe(i, "/metrics") for i in range(len(self.replicas))))
+        texts = [(i, r.text) for i, r in enumerate(answers) if r is not None and r.status_code == 200]
+        up = {i for i, _ in texts}
+        p = PREFIX
+        lines = relabel_metrics(texts)
+        lines += [f"# HELP {p}replica_up Whether the replica answered this scrape (1) or not (0).",
+                  f"# TYPE {p}replica_up gauge",
+                  *(f'{p}replica_up{{replica="{i}"}} {int(i in up)}' for i in range(len(self.replicas))),
+                  f"# HELP {p}front_door_requests_in_flight Requests the front door has open at each replica.",
+                  f"# TYPE {p}front_door_requests_in_flight gauge",
+                  *(f'{p}front_door_requests_in_flight{{replica="{i}"}} {n}'
+                    for i, n in enumerate(self.router.in_flight)),
+                  f"# HELP {p}front_door_rejected_total Requests the front door refused itself, by reason.",
+                  f"# TYPE {p}front_door_rejected_total counter",
+                  *(f'{p}front_door_rejected_total{{reason="{k}"}} {n}' for k, n in self.rejected.items())]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    # ------------------------------------------------------------------ pieces
+
+    async def _probe(self, i: int, path: str) -> httpx.Response | None:
+        if not self.replicas[i].alive:
+            return None
+        try:
+            return await self.client.get(self.replicas[i].url + path, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+            self.rejected["unauthorized"] += 1
+            raise ApiError(401, "missing or wrong API key (send the header Authorization: Bearer <key>)", None,
+                           "invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the {limit} bytes accepted")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _health_state(answer: httpx.Response | None) -> str:
+    """"ok", "down" (no answer, or not up), or what the replica said ("draining", "stopped")."""
+    if answer is None:
+        return "down"
+    if answer.status_code == 200:
+        return "ok"
+    try:
+        return str(answer.json()["status"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {answer.status_code}"
+
+
+class Proxied(Response):
+    """Replica `index`'s answer to `upstream`, passed through byte for byte as it comes. The client's
+    disconnect is watched from the start (a whole answer sends nothing until it is complete): it cancels
+    the upstream request, whose closed connection cancels the request at the replica."""
+
+    def __init__(self, door: FrontDoor, index: int, upstream: httpx.Request):
+        super().__init__()
+        self.door, self.index, self.upstream = door, index, upstream
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def relay() -> None:
+            try:
+                await self._relay(send)
+            except OSError:  # the client went away mid-send
+                pass
+            group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(relay)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+        finally:
+            self.door.router.release(self.index)
+
+    async def _relay(self, send) -> None:
+        try:
+            response = await self.door.client.send(self.upstream, stream=True)
+        except httpx.TransportError as exc:  # the replica is gone, or broke the connection before answering
+            if isinstance(exc, httpx.ConnectError):  # nothing listens there any more: route around it
+                log.warning("replica %d refused a connection (%s); no more requests go to it", self.index, exc)
+                self.door.mark_down(self.index)
+            self.door.rejected["unavailable"] += 1
+            refusal = JSONResponse(error_body(f"engine replica {self.index} did not answer; retry",
+                                              "service_unavailable_error", None, "unavailable"), 503,
+                                   headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+            await send({"type": "http.response.start", "status": 503, "headers": refusal.raw_headers})
+            await send({"type": "http.response.body", "body": refusal.body})
+            return
+        try:
+            headers = [(k.encode(), v.encode()) for k, v in response.headers.items() if k in PASSED_HEADERS]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+            try:
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.TransportError as exc:  # the replica died mid-answer: the client sees a cut-off body
+                log.warning("replica %d broke off an answer (%s)", self.index, exc)
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+    return JSONResponse(error_body(message, ApiError.TYPES.get(exc.status_code, "invalid_request_error"), None, code),
+                        exc.status_code, headers=exc.headers)
+
+
+def make_front_door(replicas: ReplicaSet, api_key: str | None, internal_key: str) -> Starlette:
+    """The ASGI app over `replicas` (each ready, its url known); app.state.door is the FrontDoor."""
+    door = FrontDoor(replicas, api_key, internal_key)
+    routes = [Route("/v1/completions", door.generate, methods=["POST"]),
+              Route("/v1/chat/completions", door.generate, methods=["POST"]),
+              Route("/v1/models", door.models, methods=["GET"]),
+              Route("/v1/models/{model:path}", door.models, methods=["GET"]),
+              Route("/health", door.health, methods=["GET"]),
+              Route("/metrics", door.metrics_text, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=door.lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+    app.state.door = door
+    return app
+
+
+class FrontDoorServer(uvicorn.Server):
+    """uvicorn that stops the replicas with itself: on a signal, or when a replica dies (see the module doc)."""
+
+    def __init__(self, config: uvicorn.Config, door: FrontDoor, drain_timeout: float, summary: str):
+        super().__init__(config)
+        self.door, self.drain_timeout, self.summary = door, drain_timeout, summary
+        self.signals = 0
+        self.failed: list[str] = []     # why the exit status is 1
+        self._stop_task: asyncio.Future | None = None
+        self._announced = False
+
+    def handle_exit(self, sig, frame) -> None:  # the signal handler uvicorn installs; no re-raise afterwards
+        self.signals += 1
+        self.door.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.started and not self._announced:
+            self._announced = True
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            print(f"enginesmith serve: http://{host}:{port} ({self.summary}); SIGTERM or Ctrl-C drains and stops",
+                  flush=True)
+        if self._stop_task is None:
+            dead = [r for r in self.door.replicas if not r.alive]
+            for r in dead:
+                self.door.mark_down(r.index)
+                self.failed.append(f"replica {r.index} ({r.label}, pid {r.pid}) exited with status {r.returncode} "
+                                   "while serving")
+            if dead or self.signals:
+                self._stop_task = asyncio.ensure_future(self._stop())
+        return await super().on_tick(counter)
+
+    async def _stop(self) -> None:
+        door, replicas = self.door, self.door.replicas
+        door.begin_drain()
+        replicas.terminate()
+        passed_on = self.signals
+        deadline = time.monotonic() + self.drain_timeout + REPLICA_GRACE_S
+        while replicas.alive and time.monotonic() < deadline:
+            if self.signals > max(passed_on, 1):  # a second signal: the replicas cut their requests off
+                passed_on = self.signals
+                replicas.terminate()
+            await asyncio.sleep(0.05)
+        for r in replicas.alive:
+            self.failed.append(f"replica {r.index} ({r.label}, pid {r.pid}) still ran "
+                               f"{self.drain_timeout + REPLICA_GRACE_S:g} s after SIGTERM: killed")
+        await asyncio.to_thread(replicas.kill, 0.0)
+        for r in replicas:
+            if r.returncode != 0 and not any(f"replica {r.index} " in f for f in self.failed):
+                self.failed.append(f"replica {r.index} ({r.label}) exited with status {r.returncode}"
+                                   + (" (it cut requests off)" if r.returncode == 1 else ""))
+        deadline = time.monotonic() + 5.0  # the last bytes of the finished answers reach their clients
+        while any(door.router.in_flight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def serve_front_door(app: Starlette, host: str, port: int, drain_timeout: float, summary: str,
+                     log_level: str = "warning", access_log: bool = False) -> list[str]:
+    """Run the front door until a signal or a replica's death, and until the replicas have stopped;
+    what made the exit status 1 (empty: 0). SystemExit when uvicorn cannot start (it logs why)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    server = FrontDoorServer(config, app.state.door, drain_timeout, summary)
+    server.run()
+    for line in server.failed:
+        print(f"enginesmith serve: {line}", file=sys.stderr)
+    return server.failed

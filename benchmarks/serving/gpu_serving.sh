@@ -59,8 +59,6 @@ step() {
     if [[ " $PHASES " == *" tests "* ]]; then
         cd "$REPO/tests"
         step gpu-tests python3 -m pytest -q -m gpu ${GPU_TESTS:-plugins/test_ort_paged_attention.py plugins/test_ort_attention.py passes/test_paged_gqa.py test_paged_cuda.py test_throughput_bench.py} -p no:cacheprovider
-        ES_BATCH_INVARIANT=1 step gpu-identity-invariant python3 -m pytest -q -m gpu test_paged_cuda.py \
-            -k "32_mixed" -p no:cacheprovider
         cd /tmp
     fi
     B=(--dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048)

@@ -121,6 +121,9 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.timed_only:
         print(json.dumps(result, indent=1))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f)
         return
     result["kernels_no_graph"] = {b: _kernels(args.engine, b, args.prompt) for b in (batches[0], batches[-1])}
     result["kernels_graph"] = {b: _kernels(args.engine, b, args.prompt, graph=True) for b in (batches[-1],)}

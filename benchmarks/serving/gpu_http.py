@@ -3,6 +3,8 @@ and against a real tritonserver (the nvidia-pytriton wheel's binary) serving the
 after the other on one GPU. Each server is started on 127.0.0.1 and stopped by its PID.
 
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 128 --out-dir $OUT [--servers ours,triton]
+    python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 64,128 \
+        --servers ours,replicas --devices 0,1 --out-dir $OUT          # the two-GPU figure
 
 Triton's model environment needs numpy<2 (tests/serving/triton_server.py says why): on a machine without an
 index, set ENGINESMITH_TRITON_WHEELS to a folder holding a numpy<2 wheel.
@@ -18,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,9 +48,10 @@ def bench(url: str, engine: str, args, api: str, model: str | None, out: Path) -
     return result
 
 
-def ours(args, out_dir: Path) -> dict:
+def ours(args, out_dir: Path, name: str = "ours", extra: tuple[str, ...] = ()) -> dict:
     proc = subprocess.Popen([*ES, "serve", "--engine", args.engine, "--device", "cuda", "--port", "0",
-                             "--max-waiting", "1024"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--max-waiting", "1024", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         url, deadline, seen = None, time.time() + 600, []
         while url is None and time.time() < deadline:
@@ -58,7 +62,9 @@ def ours(args, out_dir: Path) -> dict:
             if m := READY.search(line):
                 url = m.group(1)
         print("".join(seen), file=sys.stderr)
-        return bench(url, args.engine, args, "openai", None, out_dir / "bench_serve_ours.json")
+        threading.Thread(target=lambda: [print(line, end="", file=sys.stderr) for line in proc.stdout],
+                         daemon=True).start()  # keep the pipe drained
+        return bench(url, args.engine, args, "openai", None, out_dir / f"bench_serve_{name}.json")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -96,13 +102,19 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--servers", default="ours,triton")
+    ap.add_argument("--servers", default="ours,triton", help="any of ours, replicas, triton")
+    ap.add_argument("--devices", default="0,1", help="replicas: the GPUs (serve --devices)")
     ap.add_argument("--out-dir", type=Path, required=True)
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = {}
     for name in args.servers.split(","):
-        result = (ours if name == "ours" else triton)(args, args.out_dir)
+        if name == "triton":
+            result = triton(args, args.out_dir)
+        elif name == "replicas":  # one replica per GPU behind serve's front door
+            result = ours(args, args.out_dir, "replicas", ("--devices", args.devices))
+        else:
+            result = ours(args, args.out_dir)
         summary[name] = [{"concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1), "req_s": round(r["req_s"], 2),
                           "ttft_ms_p50": r["ttft_ms"]["p50"], "itl_ms_p50": r["itl_ms"]["p50"],
                           "itl_ms_p99": r["itl_ms"]["p99"], "errors": r["errors"]["by_kind"]}

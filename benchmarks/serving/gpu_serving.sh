@@ -93,7 +93,8 @@ step() {
     if [[ " $PHASES " == *" http "* ]]; then
         [ -d /tmp/e/fp16 ] || step build-fp16 "${ES[@]}" build --model "$MODEL" "${B[@]}" --out /tmp/e/fp16
         ENGINESMITH_TRITON_WHEELS="${TRITON_WHEELS:-/tmp/npw}" step http python3 "$REPO/benchmarks/serving/gpu_http.py" \
-            --engine /tmp/e/fp16 --requests "${HTTP_REQUESTS:-128}" --out-dir "$OUT" --servers "${SERVERS:-ours,triton}"
+            --engine /tmp/e/fp16 --requests "${HTTP_REQUESTS:-128}" --out-dir "$OUT" --servers "${SERVERS:-ours,triton}" \
+            --concurrency "${HTTP_CONCURRENCY:-1,16,64}"
     fi
     echo "=== failed steps: $failed"
 } 2>&1 | tee "$LOG"

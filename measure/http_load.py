@@ -6,7 +6,7 @@ P prompt tokens, T output tokens asked for (max_tokens).
 
     throughput.workload (Austen prompts and lengths) ── decoded to text ── N Prompts (text, P, T)
         │
-    run_load(target, prompts, C, R)         one httpx.AsyncClient: HTTP/1.1 keep-alive, C connections
+    run_load(target, prompts, C, R)         C httpx.AsyncClients of one HTTP/1.1 keep-alive connection each
         │   closed loop (no R): C clients, each sends its next request when its last one has ended
         │   open loop: request i arrives at a Poisson time (gaps ~ Exp(mean 1/R), seeded); at most C
         │              in flight: an arrival that finds C in flight waits (reported as wait, not TTFT)
@@ -53,6 +53,7 @@ A failed request's tokens do not count in tok/s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -248,7 +249,7 @@ def arrival_times(n: int, rate: float, seed: int = 0) -> np.ndarray:
     return np.cumsum(gaps) - gaps[0]
 
 
-async def _drive(client: httpx.AsyncClient, target: Target, prompts: Sequence[Prompt], concurrency: int,
+async def _drive(clients: asyncio.Queue, target: Target, prompts: Sequence[Prompt], concurrency: int,
                  rate: float | None, seed: int, timeout: float,
                  on_done: Callable[[], object] | None = None) -> tuple[list[Outcome], int]:
     """Every prompt sent once, at most `concurrency` in flight; (outcomes in prompt order, most in flight)."""
@@ -260,7 +261,11 @@ async def _drive(client: httpx.AsyncClient, target: Target, prompts: Sequence[Pr
         in_flight += 1
         peak = max(peak, in_flight)
         p = prompts[i]
-        outcomes[i] = await request(client, target, p.text, p.max_tokens, timeout, arrival)
+        client = clients.get_nowait()  # never empty: at most `concurrency` requests are in flight
+        try:
+            outcomes[i] = await request(client, target, p.text, p.max_tokens, timeout, arrival)
+        finally:
+            clients.put_nowait(client)
         in_flight -= 1
         if on_done is not None:
             on_done()
@@ -288,10 +293,12 @@ async def _drive(client: httpx.AsyncClient, target: Target, prompts: Sequence[Pr
     return outcomes, peak  # type: ignore[return-value]
 
 
-def _client(concurrency: int, timeout: float) -> httpx.AsyncClient:
-    """HTTP/1.1 with keep-alive, a connection per request in flight; no pool wait limit (the run's
-    own bound keeps requests from queueing for a connection)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+def _client(timeout: float) -> httpx.AsyncClient:
+    """One HTTP/1.1 keep-alive connection; no pool wait limit (the run's own bound keeps requests
+    from queueing for it). A client per request in flight, not one pool of C connections: httpx's
+    pool scans all its connections on every read (O(C) per SSE event: at C = 64 that was most of the
+    load generator's time)."""
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, pool=None))
 
 
@@ -308,13 +315,17 @@ async def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, 
     if not prompts:
         raise UserError("no requests to send", "give at least one request")
     warmup = min(concurrency, len(prompts)) if warmup is None else warmup
-    async with _client(concurrency, timeout) as client:
-        warm = await asyncio.gather(*(request(client, target, p.text, min(p.max_tokens, WARMUP_TOKENS), timeout)
-                                      for p in prompts[:warmup]))
+    async with contextlib.AsyncExitStack() as stack:
+        pool = [await stack.enter_async_context(_client(timeout)) for _ in range(max(concurrency, warmup))]
+        warm = await asyncio.gather(*(request(pool[k], target, p.text, min(p.max_tokens, WARMUP_TOKENS), timeout)
+                                      for k, p in enumerate(prompts[:warmup])))
+        clients: asyncio.Queue = asyncio.Queue()
+        for client in pool[:concurrency]:
+            clients.put_nowait(client)
         bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req", leave=False,
                    disable=None if progress else True)
         start = time.perf_counter()
-        outcomes, peak = await _drive(client, target, prompts, concurrency, rate, seed, timeout, bar.update)
+        outcomes, peak = await _drive(clients, target, prompts, concurrency, rate, seed, timeout, bar.update)
         bar.close()
     seconds = max(o.ended for o in outcomes) - start
     result = summarize(outcomes, prompts, seconds, tokenizer)

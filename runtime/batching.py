@@ -141,6 +141,7 @@ class ContinuousBatcher:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[str, Request] = {}
+        self._live: dict[str, Request] = {}  # waiting and running requests by id (lookups once per token)
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
         self._seeds = np.random.SeedSequence()
@@ -171,30 +172,30 @@ class ContinuousBatcher:
                     stop_strings: Sequence[str] = ()) -> str:
         self.check_request(prompt, max_new_tokens, stop_strings)
         rid = request_id or f"req{next(self._ids)}"
-        if rid in self.finished or any(r.request_id == rid for r in itertools.chain(self.waiting, self.running)):
+        if rid in self.finished or rid in self._live:
             raise UserError(f"request id {rid!r} is already in use", "give each request its own id")
         sampling = sampling or SamplingParams()
         seed = sampling.seed if sampling.seed is not None else int(self._seeds.spawn(1)[0].generate_state(1)[0])
-        self.waiting.append(Request(rid, [int(t) for t in prompt], max_new_tokens, frozenset(stop_token_ids),
-                                    tuple(stop_strings), sampling, seed, added_at=time.perf_counter()))
+        req = Request(rid, [int(t) for t in prompt], max_new_tokens, frozenset(stop_token_ids), tuple(stop_strings),
+                      sampling, seed, added_at=time.perf_counter())
+        self.waiting.append(req)
+        self._live[rid] = req
         return rid
 
     def cancel(self, request_id: str) -> bool:
         """End a waiting or running request at the next step (its pages go back then); False if unknown
         or already finished."""
-        if any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
+        if request_id in self._live:
             self._cancelled.add(request_id)
             return True
         return False
 
     def request(self, request_id: str) -> Request:
         """The request of that id, waiting, running or finished (KeyError if unknown)."""
-        if request_id in self.finished:
-            return self.finished[request_id]
-        for req in itertools.chain(self.running, self.waiting):
-            if req.request_id == request_id:
-                return req
-        raise KeyError(request_id)
+        req = self._live.get(request_id) or self.finished.get(request_id)
+        if req is None:
+            raise KeyError(request_id)
+        return req
 
     @property
     def has_unfinished(self) -> bool:
@@ -218,6 +219,7 @@ class ContinuousBatcher:
             self.manager.free(req.request_id)
         if req in self.running:
             self.running.remove(req)
+        self._live.pop(req.request_id, None)
         self.finished[req.request_id] = req
 
     def _drop_cancelled(self) -> list[str]:
@@ -243,13 +245,15 @@ class ContinuousBatcher:
         cfg = self.config
         budget = cfg.max_tokens
         rows, counts, copies, preempted = [], [], [], []
+        victims: set[Request] = set()
         for req in list(self.running):
-            if req not in self.running or len(rows) == cfg.max_batch or budget == 0:
+            if req in victims or len(rows) == cfg.max_batch or budget == 0:
                 continue  # preempted meanwhile, or no room left this step
             n = min(len(req.tokens) - req.num_computed, self.chunk, budget)
             while (blocks := self.manager.allocate_slots(req.request_id, n)) is None:
                 victim = self.running[-1]  # the newest request gives its pages back
                 preempted.append(victim.request_id)
+                victims.add(victim)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -329,11 +333,14 @@ class ContinuousBatcher:
         """One model step over `rows` (counts[r] new tokens each, right-padded to `width`): the rows
         that sampled a token, and their tokens."""
         ids = np.zeros((len(rows), width), np.int64)
-        for r, (req, n) in enumerate(zip(rows, counts)):
-            ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
+        if width == 1 and min(counts) == 1:  # decode rows: one column, filled at once
+            ids[:, 0] = [req.tokens[req.num_computed] for req in rows]
+        else:
+            for r, (req, n) in enumerate(zip(rows, counts)):
+                ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
         starts = [req.num_computed for req in rows]
-        step = paged_step([self.manager.block_ids(req.request_id) for req in rows], self.manager.block_size,
-                          starts, counts, width)
+        block_ids = self.manager.block_ids
+        step = paged_step([block_ids(req.request_id) for req in rows], self.manager.block_size, starts, counts, width)
         picks, sampled = [], []
         for r, (req, n) in enumerate(zip(rows, counts)):
             if req.num_computed + n == len(req.tokens):  # the prompt is all computed: sample a token

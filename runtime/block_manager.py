@@ -169,6 +169,10 @@ class _Seq:
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0        # positions with a slot (written or about to be written this step)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix map
+    ids: list[int] = field(default_factory=list)  # [b.block_id for b in blocks], kept in step (read per step)
+
+    def __post_init__(self):
+        self.ids = [b.block_id for b in self.blocks]
 
 
 class KVCacheManager:
@@ -191,7 +195,7 @@ class KVCacheManager:
         return self.seqs[request_id].num_tokens if request_id in self.seqs else 0
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple([b.block_id for b in self.seqs[request_id].blocks])  # a list first: faster than a generator
+        return tuple(self.seqs[request_id].ids)
 
     def slots(self, request_id: str, start: int, count: int) -> list[int]:
         """Pool slots (page * block_size + offset) of positions start .. start + count - 1."""
@@ -203,14 +207,15 @@ class KVCacheManager:
     def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of `token_ids` in whole blocks, at most len - 1 tokens, and
         the number of tokens it covers. Changes nothing (allocate_slots takes the hit)."""
-        limit = (len(token_ids) - 1) // self.block_size
-        hits = []
-        for block_hash in hash_blocks(token_ids[:limit * self.block_size], self.block_size):
+        bs = self.block_size
+        hits, block_hash = [], None
+        for i in range((len(token_ids) - 1) // bs):  # hashed block by block: a long prompt stops at its first miss
+            block_hash = hash_block(block_hash, token_ids[i * bs:(i + 1) * bs])
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits, len(hits) * bs
 
     # ---------------------------------------------------------------- changes
 
@@ -221,12 +226,21 @@ class KVCacheManager:
         cannot supply the blocks; the caller then preempts or waits."""
         assert num_new_tokens >= 0
         seq = self.seqs.get(request_id)
+        bs = self.block_size
+        if seq is not None and not computed_blocks:
+            # The common case (a decode step, a prompt chunk inside the last block): the positions fit in
+            # the blocks held and the one block written is the request's own. Same result as below.
+            start = seq.num_tokens
+            end = start + num_new_tokens
+            if end <= len(seq.blocks) * bs and (num_new_tokens == 0 or (
+                    start // bs == (end - 1) // bs and not _shared(seq.blocks[start // bs]))):
+                seq.num_tokens = end
+                return KVCacheBlocks(tuple(seq.ids))
         if seq is None:
             seq = _Seq()
         elif computed_blocks:
             raise ValueError(f"request {request_id!r} already holds blocks; prefix hits apply to new "
                              "requests only")
-        bs = self.block_size
         start = seq.num_tokens + len(computed_blocks) * bs
         end = start + num_new_tokens
         held = len(seq.blocks) + len(computed_blocks)
@@ -240,6 +254,7 @@ class KVCacheManager:
         if computed_blocks:  # a new request: its prefix hits are full, cached blocks
             self.pool.touch(computed_blocks)
             seq.blocks.extend(computed_blocks)
+            seq.ids.extend(b.block_id for b in computed_blocks)
             seq.num_cached_blocks = len(computed_blocks)
         copies = []
         for i in cow:
@@ -247,12 +262,15 @@ class KVCacheManager:
             old = seq.blocks[i]
             copies.append((old.block_id, new.block_id))
             seq.blocks[i] = new
+            seq.ids[i] = new.block_id
             self.pool.free_blocks([old])
             seq.num_cached_blocks = min(seq.num_cached_blocks, i)
-        seq.blocks.extend(self.pool.get_new_blocks(max(fresh, 0)) or [])
+        new_blocks = self.pool.get_new_blocks(max(fresh, 0)) or []
+        seq.blocks.extend(new_blocks)
+        seq.ids.extend(b.block_id for b in new_blocks)
         seq.num_tokens = end
         self.seqs[request_id] = seq
-        return KVCacheBlocks(self.block_ids(request_id), tuple(copies))
+        return KVCacheBlocks(tuple(seq.ids), tuple(copies))
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_written: int) -> int:
         """Register the request's full blocks among its first `num_written` positions (their KV is
@@ -297,6 +315,7 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         self.pool.free_blocks(list(reversed(seq.blocks[keep:])))
         del seq.blocks[keep:]
+        del seq.ids[keep:]
         seq.num_tokens = num_tokens
         seq.num_cached_blocks = min(seq.num_cached_blocks, num_tokens // self.block_size)
 
@@ -309,6 +328,7 @@ class KVCacheManager:
             assert len(seq.blocks) == -(-seq.num_tokens // self.block_size), \
                 f"{rid}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens"
             assert 0 <= seq.num_cached_blocks <= len(seq.blocks)
+            assert seq.ids == [b.block_id for b in seq.blocks], f"{rid}: block ids out of step with its blocks"
             for block in seq.blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         assert pool.null_block.ref_cnt == 0 and pool.null_block not in pool.free_queue

@@ -3,10 +3,11 @@
     POST /v1/completions        ─┐ auth ─ body (size-bounded) ─ parse + validate (openai_protocol)
     POST /v1/chat/completions   ─┘   ─ encode (chat template | text | token ids; in a worker thread)
                                      ─ loop.submit(ids, ..., sink) ══ the loop thread steps the batch ══╗
-         SSE chunks (stream: true) or one JSON body ◀── TextStream ◀── asyncio.Queue ◀── sink ◀═══════╝
+         SSE chunks (stream: true; sse_chunks) or one JSON body ◀── TextStream ◀── EventRelay ◀── sink ◀═══╝
     GET  /v1/models, /v1/models/{model}, /health (503 while draining), /metrics (serving/metrics.py)
 
-Events cross from the loop thread to the event loop with call_soon_threadsafe(queue.put_nowait, ev).
+Events cross from the loop thread to the event loop in EventRelay's batches (one call_soon_threadsafe
+per step), into each Generation's list of events (a future wakes its reader).
 A client that goes away (the ASGI http.disconnect, or a failed send), mid-stream or while a whole
 answer is being made, cancels its request: its KV pages go back at the loop's next step.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -45,9 +45,9 @@ from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
 from enginesmith.runtime.generate import MAX_NEW_TOKENS
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.metrics import ServerMetrics
-from enginesmith.serving.openai_protocol import (ApiError, GenerationRequest, chat_body, chat_chunk, completion_body,
-                                                 completion_chunk, error_body, parse_chat, parse_completion,
-                                                 parse_json, usage, usage_chunk)
+from enginesmith.serving.openai_protocol import (ApiError, GenerationRequest, chat_body, completion_body, error_body,
+                                                 parse_chat, parse_completion, parse_json, usage)
+from enginesmith.serving.sse_chunks import DONE, ChunkWriter, sse
 from enginesmith.serving.text_stream import TextStream
 
 log = logging.getLogger("enginesmith.serve")
@@ -74,12 +74,12 @@ class EventRelay:
     def __init__(self):
         self._event_loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
-        self._batch: list[tuple[asyncio.Queue, tuple]] = []
+        self._batch: list[tuple[Callable[[tuple], None], tuple]] = []
 
-    def post(self, queue: asyncio.Queue, event: tuple) -> None:
-        """Called on the loop thread."""
+    def post(self, receive: Callable[[tuple], None], event: tuple) -> None:
+        """Called on the loop thread; `receive(event)` runs on the event loop."""
         with self._lock:
-            self._batch.append((queue, event))
+            self._batch.append((receive, event))
             if len(self._batch) > 1:
                 return  # a delivery is already scheduled
         try:
@@ -90,8 +90,8 @@ class EventRelay:
     def _deliver(self) -> None:
         with self._lock:
             batch, self._batch = self._batch, []
-        for queue, event in batch:
-            queue.put_nowait(event)
+        for receive, event in batch:
+            receive(event)
 
 
 class Generation:
@@ -100,23 +100,35 @@ class Generation:
     def __init__(self, loop: BatcherLoop, text: TextStream, relay: EventRelay):
         self.loop = loop
         self.text = text
-        self.events: asyncio.Queue = asyncio.Queue()
         self.relay = relay
+        self._events: list[tuple] = []               # arrived, not yet taken (cheaper per token than an asyncio.Queue)
+        self._arrived: asyncio.Future | None = None  # what deltas() awaits while there are none
         self.request_id: str | None = None
         self.tokens = 0
         self.ended = False
 
     def sink(self, event: tuple) -> None:
         """Called on the loop thread."""
-        self.relay.post(self.events, event)
+        self.relay.post(self._receive, event)
+
+    def _receive(self, event: tuple) -> None:
+        self._events.append(event)
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+
+    async def _take(self) -> list[tuple]:
+        """Every event that has arrived, waiting for one if there is none."""
+        while not self._events:
+            self._arrived = asyncio.get_running_loop().create_future()
+            await self._arrived
+        events, self._events = self._events, []
+        return events
 
     async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
         """(text, None) per new piece of text, then (the last text, finish reason "stop" | "length").
         Tokens that arrived together (the client or the event loop fell behind) come as one piece."""
         while True:
-            events = [await self.events.get()]
-            while not self.events.empty():
-                events.append(self.events.get_nowait())
+            events = await self._take()
             pieces = []
             for event in events:
                 if event[0] == "token":
@@ -197,10 +209,6 @@ async def _unless_disconnected(receive, work):
     if task.done() and not task.cancelled():
         return task.result()
     raise ClientGone()
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 class OpenAIServer:
@@ -318,27 +326,20 @@ class OpenAIServer:
 
     async def _chunks(self, gen: Generation, req: GenerationRequest, rid: str, chat: bool,
                       prompt_tokens: int) -> AsyncIterator[bytes]:
-        created, model = int(time.time()), self.model_name
-
-        def chunk(text: str | None, finish: str | None) -> bytes:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                return _sse(chat_chunk(rid, created, model, delta, finish))
-            return _sse(completion_chunk(rid, created, model, text or "", finish))
-
+        out = ChunkWriter(rid, int(time.time()), self.model_name, chat)
         try:
             if chat:
-                yield _sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None))
+                yield out.role()
             async for delta, finish in gen.deltas():
                 if delta:
-                    yield chunk(delta, None)
+                    yield out.text(delta)
                 if finish is not None:
-                    yield chunk(None, finish)
+                    yield out.finish(finish)
             if req.include_usage:
-                yield _sse(usage_chunk(rid, created, model, chat, usage(prompt_tokens, gen.tokens)))
+                yield out.usage(usage(prompt_tokens, gen.tokens))
         except GenerationFailed as exc:
-            yield _sse(error_body(str(exc), "server_error", None, "engine_error"))
-        yield b"data: [DONE]\n\n"
+            yield sse(error_body(str(exc), "server_error", None, "engine_error"))
+        yield DONE
 
     # ------------------------------------------------------------------ pieces
 

@@ -51,11 +51,17 @@ class TextStream:
         if int(token) in self.stop_token_ids:
             self.stopped = True
             return self._emit(self.held)
+        if not self.stop_strings:  # nothing is held: the new text is the delta
+            delta = self.detok.push(token)
+            self.text += delta
+            return delta
         pending = self.held + self.detok.push(token)
-        cut = first_stop(self.text + pending, self.stop_strings, len(self.text))
+        # Only the emitted text's last (longest stop string - 1) characters can begin a stop string.
+        base = max(0, len(self.text) - self.hold)
+        cut = first_stop(self.text[base:] + pending, self.stop_strings, len(self.text) - base)
         if cut is not None:
             self.stopped = True
-            return self._emit((self.text + pending)[len(self.text):cut])
+            return self._emit(pending[:max(0, base + cut - len(self.text))])
         keep = max(len(pending) - self.hold, 0) if self.hold else len(pending)
         delta, self.held = pending[:keep], pending[keep:]
         self.text += delta

@@ -12,6 +12,7 @@ a block table, BS page size.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,10 +124,11 @@ def paged_step(block_ids: list[list[int]], page_size: int, starts: list[int], co
     ctx = (starts_a + (width if right_padded else counts_a)).astype(np.int32)
     pages = max(1, int(-(-int(ctx.max(initial=1)) // bs)))
     tables = np.zeros((batch, pages), np.int32)  # 0: the null page
-    lengths = np.fromiter((min(len(ids), pages) for ids in block_ids), np.int64, batch)
-    if lengths.any():
-        tables[np.arange(pages)[None, :] < lengths[:, None]] = np.concatenate(
-            [np.asarray(ids[:pages], np.int32) for ids in block_ids])
+    lengths = np.array([len(ids) for ids in block_ids], np.int64).reshape(batch)
+    if lengths.any():  # one flat list of ints: numpy converts it at once (a per-row array costs a call per row)
+        rows = block_ids if lengths.max() <= pages else [ids[:pages] for ids in block_ids]
+        held = np.arange(pages)[None, :] < np.minimum(lengths, pages)[:, None]
+        tables[held] = list(itertools.chain.from_iterable(rows))
     # column c of row r holds position start + c - pad (pad = 0 right-padded, width - n left-padded)
     pad = np.zeros(batch, np.int64) if right_padded else width - counts_a
     col = np.arange(width)[None, :]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import sys
 import time
@@ -42,6 +41,7 @@ from starlette.routing import Route
 
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
+from enginesmith.serving.http_guard import check_api_key, read_body
 from enginesmith.serving.openai_protocol import ApiError, error_body
 from enginesmith.serving.replicas import ReplicaSet
 
@@ -221,26 +221,14 @@ class FrontDoor:
             return None
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+        try:
+            check_api_key(request, self.api_key)
+        except ApiError:
             self.rejected["unauthorized"] += 1
-            raise ApiError(401, "missing or wrong API key (send the header Authorization: Bearer <key>)", None,
-                           "invalid_api_key")
+            raise
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is over the {limit} bytes accepted")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_body(request, self.max_body_bytes)
 
 
 def _health_state(answer: httpx.Response | None) -> str:

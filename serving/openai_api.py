@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import threading
 import time
@@ -45,6 +44,7 @@ from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
 from enginesmith.runtime.generate import MAX_NEW_TOKENS
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.metrics import ServerMetrics
+from enginesmith.serving.http_guard import check_api_key, read_body
 from enginesmith.serving.openai_protocol import (ApiError, GenerationRequest, chat_body, completion_body, error_body,
                                                  parse_chat, parse_completion, parse_json, usage)
 from enginesmith.serving.sse_chunks import DONE, ChunkWriter, sse
@@ -344,12 +344,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ pieces
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-            raise ApiError(401, "missing or wrong API key (send the header Authorization: Bearer <key>)", None,
-                           "invalid_api_key")
+        check_api_key(request, self.api_key)
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -357,17 +352,7 @@ class OpenAIServer:
                            "model", "model_not_found")
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is over the {limit} bytes accepted")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_body(request, self.max_body_bytes)
 
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Token ids of the prompt (a worker thread: a chat template or a long text takes a while).

@@ -6,9 +6,10 @@
                           calibration=calibration_set(tokenizer))
 
 Modules: registry (names, params, presets, pipeline text), pipeline (run + verify + atomic write),
-verify, calibrate, match (the one pattern mechanism), linears, sites, fold, qmath, edit, and the
-passes: smoothquant, awq, awq_clip, w8a8 (quantize_w8a8), w4a16 (quantize_w4a16), embedding
-(quantize_embedding), lower_ort (+ lower_ort_int8). Any other module here that registers a pass
+verify, calibrate, hessian (GPTQ's X^T X), match (the one pattern mechanism), linears, sites, fold,
+qmath, edit, and the passes: smoothquant, awq, awq_clip, gptq, w8a8 (quantize_w8a8), llm_int8,
+w4a16 (quantize_w4a16), embedding (quantize_embedding), kv_ring, kv_h2o, kv_paged, lower_ort
+(+ lower_ort_int8). Any other module here that registers a pass
 is found by `passes()`.
 """
 

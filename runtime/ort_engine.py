@@ -17,6 +17,7 @@ from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: 
 from enginesmith.plugins import ort_ops
 from enginesmith.runtime.kv_dense import DenseKVCache
 from enginesmith.runtime.kv_paged import PagedKVCache
+from enginesmith.runtime.kv_h2o import H2OKVCache
 from enginesmith.runtime.kv_ring import RingKVCache
 from enginesmith.runtime.protocols import KVCache, OrtCache
 
@@ -74,6 +75,9 @@ class OrtEngine:
 
     def new_cache(self, batch: int) -> KVCache:
         """DenseKVCache, or the Ring/Paged cache for a graph rewritten by kv_ring / kv_paged."""
+        if self.kv_layout == "ring" and any(o.name.startswith(io_names.ATTENTION_SCORES)
+                                            for o in self.session.get_outputs()):
+            return H2OKVCache.for_session(self.session, batch, self.device)  # kv_h2o: heavy-hitter eviction
         if self.kv_layout == "ring":
             return RingKVCache.for_session(self.session, batch, self.device)
         if self.kv_layout == "paged":

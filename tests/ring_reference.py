@@ -46,6 +46,9 @@ class StartRecentReference:
         self.keys = [cut(k) for k in self.keys]
         self.values = [cut(v) for v in self.values]
 
+    def observe(self, probs: torch.Tensor) -> None:
+        """Each layer's attention probabilities [1, H, n, total] (a hook for the H2O reference)."""
+
     @torch.no_grad()
     def forward(self, ids: np.ndarray) -> np.ndarray:
         """Logits [1, n, V] of the chunk `ids` [1, n] after evict_for_space(n)."""
@@ -77,7 +80,9 @@ class StartRecentReference:
             scores = (q.double() @ keys.double().transpose(2, 3)) * att.scaling        # [1, H, n, total]
             query_at = torch.arange(total - n, total)[:, None]
             scores = scores.masked_fill(torch.arange(total)[None, :] > query_at, float("-inf"))
-            out = (scores.softmax(-1) @ values.double()).float()
+            probs = scores.softmax(-1)
+            self.observe(probs)
+            out = (probs @ values.double()).float()
             out = out.transpose(1, 2).reshape(1, n, heads * dim)
             h = h + att.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -5,7 +5,9 @@
 Text: the first `windows` x 1024 tokens of *Pride and Prejudice* (no BOS, non-overlapping
 1024-token windows, each from an empty cache); calibration: `calib-samples` x 512 tokens of *Emma*.
 Rows: fp32 · W8A8 naive · W8A8 SmoothQuant (alpha searched per site, and alpha = 0.5 for the whole
-model) · W4A16 RTN · W4A16 AWQ, and the int8-embedding variants that the size targets need.
+model) · W8A8 LLM.int8()-style (outlier input channels in float, threshold 6 and 3) · W4A16 RTN ·
+W4A16 AWQ, and the int8-embedding variants that the size targets need. (GPTQ and ORT's own int4
+quantizers: compare_w4.py.)
 
 W8A8 rows are scored twice: as the graph means it (ORT with its Q/DQ fusion off: fake quantization
 with exact int32 accumulation, TensorRT's INT8 math) and with ORT's own CPU int8 kernels (on x86
@@ -104,6 +106,8 @@ def main() -> None:
         "w8a8-naive": build_pipeline("w8a8-naive"),
         f"w8a8-sq-a{args.alpha}": build_pipeline("w8a8-sq", alpha=args.alpha),
         "w8a8-sq": build_pipeline("w8a8-sq"),                 # alpha searched per site
+        "w8a8-llmint8": build_pipeline(passes_text="llm_int8"),   # outlier channels (max |X| > 6) in float
+        "w8a8-llmint8-t3": build_pipeline(passes_text="llm_int8:threshold=3"),
         f"w4a16-rtn-g{bs}": build_pipeline("w4a16-rtn", block_size=bs),
         f"w4a16-awq-g{bs}": build_pipeline("w4a16-awq", block_size=bs),    # scale search + clip
         f"w4a16-awq-noclip-g{bs}": build_pipeline(
@@ -163,6 +167,8 @@ def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
     bs = args.block_size
     gaps = {"w8a8-sq (alpha searched per site) vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-sq"),
             f"w8a8-sq-a{args.alpha} vs w8a8-naive": _gap(results, "w8a8-naive", f"w8a8-sq-a{args.alpha}"),
+            "w8a8-llmint8 (LLM.int8() outliers, threshold 6) vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-llmint8"),
+            "w8a8-llmint8-t3 vs w8a8-naive": _gap(results, "w8a8-naive", "w8a8-llmint8-t3"),
             f"w4a16-awq-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}", f"w4a16-awq-g{bs}"),
             f"w4a16-awq-noclip-g{bs} vs w4a16-rtn-g{bs}": _gap(results, f"w4a16-rtn-g{bs}",
                                                                 f"w4a16-awq-noclip-g{bs}"),
@@ -189,7 +195,7 @@ def _write(args, results: dict, fp16_size: int, calib: dict) -> None:
     lines += ["", f"fp16 engine: {fp16_size / 1e6:.1f} MB. Names: w8a8-sq = SmoothQuant with alpha "
               "searched per site (the preset), -a0.5 = one alpha for the model; w4a16-awq = AWQ scale "
               "search + weight clipping (the preset), -noclip = scale search only; -gN = block size; "
-              "+emb8 = int8 embedding table shared with the tied lm_head; -L4 = MatMulNBits "
+              "+emb8 = int8 embedding table shared with the tied lm_head; w8a8-llmint8(-tN) = LLM.int8()-style mixed precision (input channels with calibrated max |X| > N, default 6, at most 5 % of them, stay float); -L4 = MatMulNBits "
               "accuracy_level 4 (int8 activations; default 0 = fp32). Pipelines: ppl.json.", ""]
     for label, gap in gaps.items():
         if gap is not None:

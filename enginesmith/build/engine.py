@@ -28,16 +28,18 @@ from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
 from enginesmith.core.io_names import GQA_IO, MAX_CUDA_BATCH, PAGED_GQA_IO
 from enginesmith.core.paths import cache_dir
 from enginesmith.models import load as models
+from enginesmith.models import lora_adapter
 from enginesmith.plugins import ort_ops
 from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
-KV_LAYOUTS = ("dense", "ring", "paged")
+KV_LAYOUTS = ("dense", "ring", "paged", "h2o")
 PAGE_SIZE = 16                 # "paged" default: tokens per KV page
 PAGED_MAX_BATCH = 64           # ort-cuda paged: default most rows per step (kv_layout.max_batch)
 # fields added after the first cache keys: in a key only when they differ from the default
 _LATER_FIELDS = ("page_size", "accuracy_level", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
-                 "trt_version", "capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention")
+                 "trt_version", "capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention", "lora",
+                 "kv_budget")
 _CUDA_FIELDS = ("capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention")
 
 
@@ -50,15 +52,17 @@ class BuildConfig:
     or with kv_layout "paged" the in-flight batching engine (PagedGroupQueryAttention on page pools: fp16,
     enginesmith's ORT ops); "trt": a TensorRT plan (build/trt.py)."""
     model: str | None = None     # see models.load.resolve
+    lora: str | None = None      # a PEFT LoRA adapter directory, folded into the weights at export
     target: str = "ort-cpu"      # "ort-cpu" | "ort-cuda" | "trt"
     dtype: str = "fp32"
     opset: int = 23
     kv_layout: str = "dense"     # "ring": StreamingLLM cache of kv_sinks + kv_window slots
     kv_sinks: int = 4
     kv_window: int = 1020
+    kv_budget: int = 1024        # "h2o": KV slots (heavy hitters + recent tokens), a ring graph of no sinks
     page_size: int = PAGE_SIZE   # "paged": tokens per KV page (block)
     # graph passes (enginesmith.passes): a preset and/or an explicit pipeline, then the lowering
-    quant: str | None = None     # w8a8-naive | w8a8-sq | w4a16-rtn | w4a16-awq (ort-cuda: w4a16-rtn)
+    quant: str | None = None     # a passes.PRESETS name, e.g. w4a16-awq, w4a16-gptq (ort-cuda: w4a16-rtn)
     passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
     block_size: int = 128        # W4A16 block along K
     alpha: float | None = None   # SmoothQuant strength; None = searched per layer
@@ -101,6 +105,9 @@ class BuildConfig:
         if self.kv_layout == "ring" and (self.kv_sinks < 0 or self.kv_window < 1):
             raise UserError(f"a ring KV cache needs sinks >= 0 and a window >= 1 (got --sinks {self.kv_sinks}, "
                             f"--kv-window {self.kv_window})", "e.g. --sinks 4 --kv-window 1020")
+        if self.kv_layout == "h2o" and self.kv_budget < 8:
+            raise UserError(f"--kv-budget {self.kv_budget} is too small for an H2O cache",
+                            "use --kv-budget 8 or more (e.g. 20 % of the stream's length)")
         if self.page_size < 1:
             raise UserError(f"--page-size {self.page_size} is not a positive number of tokens", "use e.g. --page-size 16")
         if self.target == "ort-cuda":
@@ -119,7 +126,7 @@ class BuildConfig:
                                                 if self.max_batch is not None else ""))
 
     def _validate_cuda(self) -> None:
-        refuse = [(self.kv_layout == "ring", "--kv ring"), (self.passes is not None, "--passes"),
+        refuse = [(self.kv_layout in ("ring", "h2o"), f"--kv {self.kv_layout}"), (self.passes is not None, "--passes"),
                   (self.preset is not None, "--preset"), (self.trt is not None, "--backend trt"),
                   (self.trt_version is not None, "--trt-version"),
                   (self.quant not in (None, "w4a16-rtn"), f"--quant {self.quant}"),
@@ -166,6 +173,8 @@ class BuildConfig:
         plain = asdict(BuildConfig())
         fields_ = {k: v for k, v in fields_.items() if k not in _LATER_FIELDS or v != plain[k]}
         fields_["passes"] = fields_.get("passes") or []
+        if self.lora:  # the adapter's content, not its path, names the engine
+            fields_["lora"] = lora_adapter.resolve(self.lora)[1]
         settings = json.dumps(fields_, sort_keys=True)
         return f"{source_sha[:16]}-{hashlib.sha256((settings + __version__).encode()).hexdigest()[:12]}"
 
@@ -223,6 +232,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     import transformers
 
     from enginesmith.export.kv_io import KVShape  # deferred: imports torch
+    from enginesmith.export.lora import fold_lora  # deferred: imports torch
     from enginesmith.export.to_onnx import export  # deferred: imports torch
 
     dtype, opset = _export_settings(config)
@@ -238,6 +248,9 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
             replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp, _stages(names, progress) as stage:
         stage("load model")
         loaded = models.load(source)
+        adapter = lora_adapter.read_adapter(config.lora) if config.lora else None
+        if adapter is not None:
+            fold_lora(loaded.model, adapter)
         kv_layout = _kv_layout(config, KVShape.of(loaded.model.config).max_positions)
         stage("export to ONNX")
         if pass_steps:  # passes start from the plain dense export, built once and cached
@@ -273,6 +286,8 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
                 "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
             },
             "graph": "model.onnx",
+            **({"lora": {"path": adapter.path, "sha256": adapter.sha256, "modules": len(adapter.updates)}}
+               if adapter is not None else {}),
             "precision": dtype + (f"+{config.quant}" if config.quant else ""),
             "opset": opset if config.kv_layout == "dense" else max(opset, 24),
             "passes": [step.spec() for step in pass_steps],
@@ -291,7 +306,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
 def _plain_source(config: BuildConfig, dtype: str, opset: int) -> BuildConfig:
     """The plain dense engine a pass pipeline starts from (cached; an ort-cuda build lowers it)."""
     if config.target == "ort-cuda":
-        return BuildConfig(model=config.model, dtype=dtype, opset=opset)
+        return BuildConfig(model=config.model, lora=config.lora, dtype=dtype, opset=opset)
     return replace(config, target="ort-cpu", kv_layout="dense", quant=None, passes=None, trt=None,
                    preset=None, trt_version=None, dtype=dtype, opset=opset)
 
@@ -314,6 +329,9 @@ def steps(config: BuildConfig, max_positions: int | None = None) -> list:
         ring = make_step("kv_ring", {"sinks": str(config.kv_sinks), "window": str(config.kv_window)})
         at = next((i for i, s in enumerate(pass_steps) if s.name.startswith("lower_")), len(pass_steps))
         pass_steps.insert(at, ring)
+    if config.kv_layout == "h2o":  # a ring of no sinks whose attention scores drive the evictions
+        at = next((i for i, s in enumerate(pass_steps) if s.name.startswith("lower_")), len(pass_steps))
+        pass_steps[at:at] = [make_step("kv_ring", {"sinks": "0", "window": str(config.kv_budget)}), make_step("kv_h2o")]
     if config.kv_layout == "paged":  # the CPU lowering is a decomposed reference; TensorRT gets the plugin
         paged = make_step("kv_paged", {"page_size": str(config.page_size),
                                        "lower": "trt" if config.target == "trt" else "cpu"})
@@ -422,6 +440,12 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
             raise UserError(f"page size {config.page_size} is not one the PagedAttention plugin supports",
                             "use --page-size 16, 32 or 64")
         return {"type": "paged", "page_size": config.page_size, "capacity": max_positions}
+    if config.kv_layout == "h2o":
+        if config.kv_budget > max_positions:
+            raise UserError(f"an H2O cache of {config.kv_budget} slots exceeds the model's context of "
+                            f"{max_positions} positions", f"use --kv-budget <= {max_positions}")
+        return {"type": "ring", "policy": "h2o", "sinks": 0, "window": config.kv_budget,
+                "capacity": config.kv_budget}
     capacity = config.kv_sinks + config.kv_window
     if capacity > max_positions:
         raise UserError(f"a ring KV cache of {config.kv_sinks} sinks + {config.kv_window} window = {capacity} "

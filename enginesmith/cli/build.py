@@ -41,8 +41,12 @@ def add_parser(verbs) -> None:
                    help="with --for-cuda --quant w4a16-rtn: the lm_head int4 too (a tied one gets its own matrix)")
     add_kv_flags(p)
     p.set_defaults(page_size=None)  # given or not: it applies to --kv paged only (default 16 there)
-    g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ, ...)")
-    g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"],
+    p.add_argument("--lora", metavar="ADAPTER_DIR", default=None,
+                   help="fold a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into "
+                        "the weights at export")
+    g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ/GPTQ, ...)")
+    g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq",
+                                                     "w4a16-gptq", "w4a16-gptq-asym"],
                    help="quantization preset")
     g.add_argument("--passes", default=None, metavar="PIPELINE",
                    help="explicit passes, e.g. smoothquant:alpha=0.6,quantize_w8a8 (after --quant's)")
@@ -64,8 +68,8 @@ def cmd_build(args) -> int:
     does not build. Only flags given without effect are checked here: the config cannot tell them."""
     target = "ort-cuda" if args.for_cuda else "trt" if args.backend == "trt" else "ort-cpu"
     config = BuildConfig(
-        model=args.model, target=target, dtype=args.dtype, opset=args.opset,
-        kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window, page_size=16 if args.page_size is None else args.page_size,
+        model=args.model, lora=args.lora, target=target, dtype=args.dtype, opset=args.opset,
+        kv_layout=args.kv, kv_sinks=args.sinks, kv_window=args.kv_window, kv_budget=args.kv_budget, page_size=16 if args.page_size is None else args.page_size,
         quant=args.quant, passes=args.passes, block_size=args.block_size, alpha=args.alpha,
         calib_text=args.calib_text, calib_samples=args.calib_samples, accuracy_level=args.accuracy_level,
         max_batch=args.max_batch, quantize_lm_head=args.quantize_lm_head, capacity=args.capacity,

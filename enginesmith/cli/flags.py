@@ -68,8 +68,10 @@ def add_kv_flags(p: argparse.ArgumentParser, eval_policies: bool = False) -> Non
         g.add_argument("--stride", type=int, default=1, help="recompute: tokens scored per forward (1 = exact)")
         g.add_argument("--plot", metavar="PNG", default=None, help="write perplexity over position to PNG")
     else:
-        g.add_argument("--kv", choices=["dense", "ring", "paged"], default="dense",
-                       help="KV layout (default dense; paged = fixed-size pages + block tables)")
+        g.add_argument("--kv", choices=["dense", "ring", "paged", "h2o"], default="dense",
+                       help="KV layout (default dense; paged = fixed-size pages + block tables; h2o = "
+                            "--kv-budget slots, evicting the least-attended token (heavy hitters + recent))")
+        g.add_argument("--kv-budget", type=int, default=1024, help="h2o: KV slots kept (default 1024)")
         g.add_argument("--page-size", type=int, default=16, help="paged: tokens per KV page (default 16)")
     g.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept forever (default 4)")
     g.add_argument("--kv-window", type=int, default=1020, help="recent tokens kept (default 1020)")
@@ -126,7 +128,7 @@ def build_config(args, kv: str | None = None, sinks: int | None = None, window: 
     kv = kv or getattr(args, "kv", None) or "dense"
     return BuildConfig(model=args.model, kv_layout=kv, kv_sinks=getattr(args, "sinks", 4) if sinks is None else sinks,
                        kv_window=getattr(args, "kv_window", 1020) if window is None else window,
-                       page_size=getattr(args, "page_size", 16))
+                       page_size=getattr(args, "page_size", 16), kv_budget=getattr(args, "kv_budget", 1024))
 
 
 def load_engine(args, config: BuildConfig | None = None):

@@ -33,6 +33,7 @@ PRESENT_SINKS = "present_sinks."   # ring layout: the attention-sink outputs
 CACHE_POSITIONS = "cache_positions"   # ring [B, C]
 WRITE_INDICES = "write_indices"       # ring [B]; its presence marks a ring graph
 SINK_SOURCES = "sink_sources"         # ring [B, s]
+ATTENTION_SCORES = "attention_scores."  # h2o (a ring graph + kv_h2o): outputs [B, H, C] per layer
 BLOCK_TABLES = "block_tables"         # paged [B, MB] int32; its presence marks a paged graph
 CONTEXT_LENS = "context_lens"         # paged [B] int32
 SLOT_MAPPING = "slot_mapping"         # paged [B, S] int32

@@ -121,11 +121,10 @@ def collect(onnx_path: str | os.PathLike, names: list[str], calib: CalibrationSe
     return {n: cached[n] for n in names}
 
 
-def _run(onnx_path: Path, names: list[str], calib: CalibrationSet, rows: int,
-         progress: bool) -> dict[str, ActStats]:
-    import onnx
-    import onnxruntime as ort
-    from tqdm import tqdm
+def open_session(onnx_path: Path, names: list[str]):
+    """An ORT CPU session of the graph with the tensors `names` exposed as extra outputs."""
+    import onnx  # deferred: heavy, only when statistics are not cached
+    import onnxruntime as ort  # deferred: heavy, only when statistics are not cached
 
     proto = onnx.load(str(onnx_path), load_external_data=False)
     present = {o.name for o in proto.graph.output}
@@ -142,16 +141,30 @@ def _run(onnx_path: Path, names: list[str], calib: CalibrationSet, rows: int,
         session = ort.InferenceSession(tmp, opts, providers=["CPUExecutionProvider"])
     finally:
         os.unlink(tmp)
+    return session
+
+
+def run_windows(session, names: list[str], calib: CalibrationSet, progress: bool, desc: str = "calibrating"):
+    """Yield the tensors `names` (a list of arrays) for each calibration window, in order."""
+    from tqdm import tqdm  # deferred: only when statistics are not cached
+
     feeds_base = _empty_cache_feeds(session)
+    seq = calib.windows.shape[1]
+    for window in tqdm(calib.windows, desc=desc, unit="sample", file=sys.stderr,
+                       disable=not progress, leave=False):
+        feeds = dict(feeds_base, input_ids=window[None], attention_mask=np.ones((1, seq), np.int64),
+                     position_ids=np.arange(seq, dtype=np.int64)[None])
+        yield session.run(names, feeds)
+
+
+def _run(onnx_path: Path, names: list[str], calib: CalibrationSet, rows: int,
+         progress: bool) -> dict[str, ActStats]:
+    session = open_session(onnx_path, names)
     seq = calib.windows.shape[1]
     per_sample = -(-rows // calib.samples)
     rng = np.random.default_rng(0)
     acc = {n: {"amax": None, "sum": None, "rows": []} for n in names}
-    for window in tqdm(calib.windows, desc="calibrating", unit="sample", file=sys.stderr,
-                       disable=not progress, leave=False):
-        feeds = dict(feeds_base, input_ids=window[None], attention_mask=np.ones((1, seq), np.int64),
-                     position_ids=np.arange(seq, dtype=np.int64)[None])
-        outs = session.run(names, feeds)
+    for outs in run_windows(session, names, calib, progress):
         pick = rng.choice(seq, size=min(per_sample, seq), replace=False)
         for name, x in zip(names, outs):
             x = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)

@@ -4,7 +4,8 @@
     X ─────────────────────────────────────────────────────┴ MatMul      =>   MatMulNBits(X, B_packed,
                                                                                scales, bias) K N bits=4
     B_packed uint8 [N, nb, B/2]: q + 8 (ORT's default zero point for 4 bits), low nibble first,
-    K padded to nb * B with the zero point; scales [N * nb].
+    K padded to nb * B with the zero point; scales [N * nb]. Asymmetric (uint4 codes with zero points
+    [nb, N], from gptq): the codes as they are, and zero_points uint8 [N, ceil(nb / 2)].
 
 ORT would fuse the same pattern on its own, but with accuracy_level 4 (int8 activations, ~1 %
 error) unless a session option says otherwise; lowering here writes the accuracy level into the
@@ -58,12 +59,15 @@ class BlockedInt4Linear(Rule):
     def check(self, m: Match) -> str | None:
         dq = next(n for n in m.nodes if n.op_type == "DequantizeLinear")
         q, scale = match.constant(m["q"]), match.constant(m["scale"])
-        if q is None or q.dtype != ir.DataType.INT4 or len(q.shape) != 2:
+        if q is None or q.dtype not in (ir.DataType.INT4, ir.DataType.UINT4) or len(q.shape) != 2:
             return "weight is not constant blocked int4 (other Q/DQ stays for ORT to run as is)"
         if scale is None:
             return "scale is not a constant"
-        if len(dq.inputs) > 2 and dq.inputs[2] is not None:
-            return "has an explicit zero point"
+        zp = dq.inputs[2] if len(dq.inputs) > 2 else None
+        if q.dtype == ir.DataType.INT4 and zp is not None:
+            return "int4 with an explicit zero point"
+        if q.dtype == ir.DataType.UINT4 and (zp is None or match.constant(zp) is None):
+            return "uint4 without a constant zero point"
         block = match.attr(dq, "block_size", 0)
         if match.attr(dq, "axis", 1) != 0 or block < 16 or block & (block - 1):
             return f"blocks are not along K (axis 0) with a power-of-two size >= 16 (block {block})"
@@ -86,17 +90,38 @@ def pack_int4(q_kn: np.ndarray, block_size: int) -> np.ndarray:
     return (u[..., 0] | (u[..., 1] << 4)).astype(np.uint8)
 
 
+def pack_uint4(q_kn: np.ndarray, zero: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint4 codes [K, N] and zero points [nb, N] -> MatMulNBits' B uint8 [N, nb, block_size / 2]
+    (K padded with the last block's zero point) and zero_points uint8 [N, ceil(nb / 2)]."""
+    k, n = q_kn.shape
+    nb = -(-k // block_size)
+    u = np.repeat(zero.astype(np.uint8), block_size, axis=0)
+    u[:k] = q_kn.astype(np.uint8)
+    u = u.T.reshape(n, nb, block_size // 2, 2)
+    z = np.zeros((n, 2 * -(-nb // 2)), dtype=np.uint8)
+    z[:, :nb] = zero.T
+    return (u[..., 0] | (u[..., 1] << 4)).astype(np.uint8), (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+
+
 def _lower(graph: ir.Graph, namer: Namer, m: Match, accuracy_level: int) -> None:
     dq = next(n for n in m.nodes if n.op_type == "DequantizeLinear")
     block = match.attr(dq, "block_size")
-    q = m["q"].const_value.numpy().astype(np.int8)           # [K, N]
     scale = m["scale"].const_value.numpy()                   # [nb, N]
-    k, n = q.shape
     base = m["q"].name.removesuffix("_int4")
-    packed = add_initializer(graph, namer, f"{base}_nbits", pack_int4(q, block))
+    zp = None
+    if m["q"].const_value.dtype == ir.DataType.UINT4:        # asymmetric: codes and zero points
+        b, z = pack_uint4(m["q"].const_value.numpy(), dq.inputs[2].const_value.numpy(), block)
+        zp = add_initializer(graph, namer, f"{base}_nbits_zero_points", z.reshape(-1))
+    else:
+        b = pack_int4(m["q"].const_value.numpy().astype(np.int8), block)
+    k, n = m["q"].const_value.shape
+    k, n = int(k), int(n)
+    packed = add_initializer(graph, namer, f"{base}_nbits", b)
     scales = add_initializer(graph, namer, f"{base}_nbits_scales", np.ascontiguousarray(scale.T).reshape(-1))
     bias = m.root.inputs[2] if m.root.op_type == "Gemm" and len(m.root.inputs) > 2 else None
-    inputs = [m["x"], packed, scales] + ([None, None, bias] if bias is not None else [])
+    inputs = [m["x"], packed, scales] + ([zp] if zp is not None else [])
+    if bias is not None:
+        inputs += [None] * (5 - len(inputs)) + [bias]
     attrs = [ir.AttrInt64("K", k), ir.AttrInt64("N", n), ir.AttrInt64("bits", 4),
              ir.AttrInt64("block_size", block), ir.AttrInt64("accuracy_level", accuracy_level)]
     node = ir.Node(MS_DOMAIN, "MatMulNBits", inputs, attrs, num_outputs=1, name=f"{m.root.name}_nbits")

@@ -28,7 +28,7 @@ from enginesmith.passes.machinery.match import Rejection
 
 # Modules of this package that only hold machinery, not passes (every other module is imported by
 # `passes()`, so a new pass module registers itself by being there).
-MACHINERY = {"calibrate", "dense_attention", "edit", "fold", "linears", "match", "paged_lower", "paged_rewrite",
+MACHINERY = {"calibrate", "dense_attention", "edit", "fold", "hessian", "linears", "match", "paged_lower", "paged_rewrite",
              "paged_verify", "pipeline", "qmath", "registry", "ring_rope", "ring_verify", "sites", "verify"}
 
 
@@ -190,12 +190,15 @@ PRESETS: dict[str, str] = {
     "w4a16-rtn": "quantize_w4a16:block_size={block_size}",
     "w4a16-awq": "awq:block_size={block_size},awq_clip:block_size={block_size},"
                  "quantize_w4a16:block_size={block_size}",
+    "w4a16-gptq": "gptq:block_size={block_size}",
+    "w4a16-gptq-asym": "gptq:block_size={block_size}:symmetric=false",
 }
 LOWERING: dict[str, str] = {"ort": "lower_ort:accuracy_level={accuracy_level}", "trt": ""}
 
 
 def preset_steps(preset: str, block_size: int = 128, alpha: float | None = None) -> list[Step]:
-    """The steps of a preset (`w8a8-naive`, `w8a8-sq`, `w4a16-rtn`, `w4a16-awq`). SmoothQuant's
+    """The steps of a preset (`w8a8-naive`, `w8a8-sq`, `w4a16-rtn`, `w4a16-awq`, `w4a16-gptq`,
+    `w4a16-gptq-asym`). SmoothQuant's
     alpha is searched per site unless `alpha` fixes one for the whole model (on SmolLM2 the search
     closes 98 % of naive W8A8's perplexity gap, alpha = 0.5 closes 78 %)."""
     if preset not in PRESETS:

@@ -46,7 +46,10 @@ def test_bad_pipelines_are_user_errors(text, words):
 
 
 def test_presets_and_build_pipeline():
-    assert set(PRESETS) == {"w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq"}
+    assert set(PRESETS) == {"w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq", "w4a16-gptq", "w4a16-gptq-asym"}
+    gptq = preset_steps("w4a16-gptq-asym", block_size=64)
+    assert [(s.name, s.params.block_size, s.params.symmetric, s.params.act_order) for s in gptq] == \
+        [("gptq", 64, False, True)]
     awq = preset_steps("w4a16-awq", block_size=64)
     assert [s.name for s in awq] == ["awq", "awq_clip", "quantize_w4a16"]
     assert {s.params.block_size for s in awq} == {64}

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
-from enginesmith.serving.http_guard import check_api_key, read_body
+from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body
 from enginesmith.serving.openai_protocol import ApiError, error_body
 from enginesmith.serving.replicas import ReplicaSet
 
@@ -297,20 +297,6 @@ class Proxied(Response):
             await response.aclose()
 
 
-async def _api_error(request: Request, exc: ApiError) -> Response:
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
-    if exc.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(exc.body(), exc.status, headers=headers)
-
-
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-    return JSONResponse(error_body(message, ApiError.TYPES.get(exc.status_code, "invalid_request_error"), None, code),
-                        exc.status_code, headers=exc.headers)
-
-
 def make_front_door(replicas: ReplicaSet, api_key: str | None, internal_key: str) -> Starlette:
     """The ASGI app over `replicas` (each ready, its url known); app.state.door is the FrontDoor."""
     door = FrontDoor(replicas, api_key, internal_key)
@@ -321,7 +307,7 @@ def make_front_door(replicas: ReplicaSet, api_key: str | None, internal_key: str
               Route("/health", door.health, methods=["GET"]),
               Route("/metrics", door.metrics_text, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=door.lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+                    exception_handlers={ApiError: api_error, HTTPException: http_error})
     app.state.door = door
     return app
 

@@ -1,18 +1,22 @@
-"""The two checks every HTTP front door of enginesmith makes before it looks at a request: the API key
-and the body's size (`enginesmith serve`'s server, serving/openai_api.py, and its replicas' front door,
-serving/front_door.py). Both raise ApiError, which the apps turn into OpenAI-style JSON errors.
+"""What every HTTP front door of enginesmith shares (`enginesmith serve`'s server, serving/openai_api.py,
+and its replicas' front door, serving/front_door.py): the two checks made before a request is read, and
+the handlers that turn refusals into OpenAI-style JSON errors.
 
-    check_api_key(request, key)   401 unless `Authorization: Bearer <key>` (constant-time compare); key None: open
-    read_body(request, limit)     the body, 413 past `limit` bytes (declared or streamed)
+    check_api_key(request, key)      401 unless `Authorization: Bearer <key>` (constant-time compare); key None: open
+    read_body(request, limit)        the body, 413 past `limit` bytes (declared or streamed)
+    api_error(request, exc)          an ApiError as its JSON body (Retry-After, WWW-Authenticate)
+    http_error(request, exc)         Starlette's own refusals (no such route, a wrong method), same shape
 """
 
 from __future__ import annotations
 
 import hmac
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
-from enginesmith.serving.openai_protocol import ApiError
+from enginesmith.serving.openai_protocol import ApiError, error_body
 
 
 def check_api_key(request: Request, key: bytes | None) -> None:
@@ -35,3 +39,17 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"the request body is over the {limit} bytes accepted")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def api_error(request: Request, exc: ApiError) -> Response:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.body(), exc.status, headers=headers)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+    return JSONResponse(error_body(message, ApiError.TYPES.get(exc.status_code, "invalid_request_error"), None, code),
+                        exc.status_code, headers=exc.headers)

@@ -44,7 +44,7 @@ from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
 from enginesmith.runtime.generate import MAX_NEW_TOKENS
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.metrics import ServerMetrics
-from enginesmith.serving.http_guard import check_api_key, read_body
+from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body
 from enginesmith.serving.openai_protocol import (ApiError, GenerationRequest, chat_body, completion_body, error_body,
                                                  parse_chat, parse_completion, parse_json, usage)
 from enginesmith.serving.sse_chunks import DONE, ChunkWriter, sse
@@ -383,21 +383,6 @@ class OpenAIServer:
                 "max_model_len": model.max_positions or self.loaded.max_positions}
 
 
-async def _api_error(request: Request, exc: ApiError) -> Response:
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else {}
-    if exc.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(exc.body(), exc.status, headers=headers)
-
-
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own refusals (no such route, a wrong method) in the same JSON shape."""
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-    return JSONResponse(error_body(message, ApiError.TYPES.get(exc.status_code, "invalid_request_error"), None, code),
-                        exc.status_code, headers=exc.headers)
-
-
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %s: %s", request.method, request.url.path[:200], type(exc).__name__, exc)
     return JSONResponse(error_body("internal server error (the server's log has the details)", "server_error"), 500)
@@ -415,6 +400,6 @@ def make_app(loaded, loop: BatcherLoop, model_name: str, api_key: str | None = N
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.metrics_text, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=api.lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+                    exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: _internal_error})
     app.state.api = api
     return app

@@ -33,6 +33,8 @@ double-buffered; nothing is allocated after construction and nothing grows.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from enginesmith.core import io_names
@@ -68,6 +70,7 @@ class RingKVCache:
         self._front = 0  # which sink buffer set holds the current sinks
         self.count = np.zeros(batch, dtype=np.int64)  # tokens each row has seen
         self._pending: np.ndarray | None = None
+        self.exact_chunk = window  # a sliding-window graph's limit (for_session reads it)
 
     @classmethod
     def for_session(cls, session: ort.InferenceSession, batch: int, device: str) -> "RingKVCache":
@@ -85,8 +88,9 @@ class RingKVCache:
         missing = [n for n in names["present"] + names["present_sinks"] if n not in outputs]
         if missing:
             raise UserError(f"the ring graph lacks outputs {missing[:2]}", "rebuild the engine")
-        return cls(sinks, window, names, batch, int(first.shape[1]), int(first.shape[3]),
-                   _NP[first.type], device)
+        cache = cls(sinks, window, names, batch, int(first.shape[1]), int(first.shape[3]), _NP[first.type], device)
+        cache.exact_chunk = _exact_chunk(session, window)
+        return cache
 
     # ------------------------------------------------------------------ sizes
 
@@ -96,8 +100,10 @@ class RingKVCache:
 
     @property
     def max_chunk(self) -> int:
-        """The most tokens one forward call may write (the engine splits longer prefills)."""
-        return self.window
+        """The most tokens one forward call may write (the engine splits longer prefills). A ring that
+        is a model's sliding window of W positions stays exact only for chunks of window - W + 1 tokens
+        (the pass records it as max_exact_chunk)."""
+        return max(1, min(self.window, self.exact_chunk))
 
     @property
     def batch(self) -> int:
@@ -176,3 +182,19 @@ class RingKVCache:
     def truncate(self, length: int) -> None:
         raise UserError("the ring KV cache cannot roll back tokens", "use the dense KV layout for "
                         "speculative decoding")
+
+
+KV_LAYOUT_KEY = "enginesmith.kv_layout"  # the graph metadata the KV passes write (passes/kv)
+
+
+def _exact_chunk(session: ort.InferenceSession, window: int) -> int:
+    """The graph's max_exact_chunk (a sliding-window ring), else the window; the metadata is
+    untrusted: anything but a positive integer there is ignored."""
+    raw = session.get_modelmeta().custom_metadata_map.get(KV_LAYOUT_KEY, "")
+    if not raw or len(raw) > 4096:
+        return window
+    try:
+        value = json.loads(raw).get("max_exact_chunk", window)
+    except (ValueError, AttributeError):
+        return window
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else window

@@ -150,6 +150,10 @@ def test_ring_is_the_exact_sliding_window_and_keeps_only_it(tiny_engine, torch_m
     assert ort_greedy(loaded.engine, [prompt], 64)[0] == torch_greedy(torch_model("mistral-sw"), prompt, 64)
     cache = loaded.engine.new_cache(1)
     assert cache.capacity == 16 and all(tuple(buf.shape())[2] == 16 for buf in cache.windows)
+    # a prompt longer than the ring is prefilled in chunks of at most window - W + 1 = 9 tokens (exact)
+    assert cache.max_chunk == 9
+    long_prompt = list(np.random.default_rng(5).integers(3, loaded.engine.vocab, 40))
+    assert ort_greedy(loaded.engine, [long_prompt], 16)[0] == torch_greedy(torch_model("mistral-sw"), long_prompt, 16)
 
 
 def test_sinks_and_short_rings_are_refused_for_sliding_windows(tiny_engine, tmp_path):

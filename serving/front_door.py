@@ -42,6 +42,7 @@ from starlette.routing import Route
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
 from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body
+from enginesmith.serving.http_server import AnnouncingServer
 from enginesmith.serving.openai_protocol import ApiError, error_body
 from enginesmith.serving.replicas import ReplicaSet
 
@@ -312,28 +313,22 @@ def make_front_door(replicas: ReplicaSet, api_key: str | None, internal_key: str
     return app
 
 
-class FrontDoorServer(uvicorn.Server):
+class FrontDoorServer(AnnouncingServer):
     """uvicorn that stops the replicas with itself: on a signal, or when a replica dies (see the module doc)."""
 
     def __init__(self, config: uvicorn.Config, door: FrontDoor, drain_timeout: float, summary: str):
-        super().__init__(config)
-        self.door, self.drain_timeout, self.summary = door, drain_timeout, summary
+        super().__init__(config, summary)
+        self.door, self.drain_timeout = door, drain_timeout
         self.signals = 0
         self.failed: list[str] = []     # why the exit status is 1
         self._stop_task: asyncio.Future | None = None
-        self._announced = False
 
     def handle_exit(self, sig, frame) -> None:  # the signal handler uvicorn installs; no re-raise afterwards
         self.signals += 1
         self.door.begin_drain()
 
     async def on_tick(self, counter: int) -> bool:
-        if self.started and not self._announced:
-            self._announced = True
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            host = f"[{host}]" if ":" in host else host
-            print(f"enginesmith serve: http://{host}:{port} ({self.summary}); SIGTERM or Ctrl-C drains and stops",
-                  flush=True)
+        self.announce()
         if self._stop_task is None:
             dead = [r for r in self.door.replicas if not r.alive]
             for r in dead:

@@ -18,26 +18,37 @@ import time
 import uvicorn
 
 
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, api, loop, drain_timeout: float, summary: str):
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn that prints enginesmith serve's one ready line once it listens (call announce() from on_tick)."""
+
+    def __init__(self, config: uvicorn.Config, summary: str):
         super().__init__(config)
-        self.api, self.batcher_loop, self.drain_timeout, self.summary = api, loop, drain_timeout, summary
-        self.signals = 0
-        self.cut_off: str | None = None     # why requests in flight were cut off, if they were
-        self._drain_task: asyncio.Future | None = None
+        self.summary = summary
         self._announced = False
 
-    def handle_exit(self, sig, frame) -> None:  # the signal handler uvicorn installs
-        self.signals += 1
-        self.api.begin_drain()
-
-    async def on_tick(self, counter: int) -> bool:
+    def announce(self) -> None:
         if self.started and not self._announced:
             self._announced = True
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host
             print(f"enginesmith serve: http://{host}:{port} ({self.summary}); SIGTERM or Ctrl-C drains and stops",
                   flush=True)
+
+
+class DrainingServer(AnnouncingServer):
+    def __init__(self, config: uvicorn.Config, api, loop, drain_timeout: float, summary: str):
+        super().__init__(config, summary)
+        self.api, self.batcher_loop, self.drain_timeout = api, loop, drain_timeout
+        self.signals = 0
+        self.cut_off: str | None = None     # why requests in flight were cut off, if they were
+        self._drain_task: asyncio.Future | None = None
+
+    def handle_exit(self, sig, frame) -> None:  # the signal handler uvicorn installs
+        self.signals += 1
+        self.api.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        self.announce()
         if self.signals and self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain())
         return await super().on_tick(counter)

@@ -73,3 +73,17 @@ def require_module(name: str, install: str):
         return importlib.import_module(name)
     except ImportError as exc:
         missing(f"Python module {name} is not installed ({exc})", install)
+
+
+def cuda_ready() -> bool:
+    """onnxruntime-gpu and a CUDA GPU are here (the device machine); CI has neither."""
+    try:
+        import onnxruntime as ort  # deferred: the check itself must not fail where these are missing
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+# The GPU tests' skip (a plain mark: no CI machine has a GPU, so strict mode leaves it alone).
+needs_cuda = pytest.mark.skipif(not cuda_ready(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")

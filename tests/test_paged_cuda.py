@@ -17,6 +17,8 @@ import re
 import numpy as np
 import pytest
 
+from external import needs_cuda
+
 from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.sampling import SamplingParams
 
@@ -24,18 +26,6 @@ CAPACITY = 256
 VOCAB = 49152  # tiny:llama-hd64's vocabulary (the SmolLM2 tokenizer)
 
 gpu = pytest.mark.gpu
-
-
-def _cuda_ready() -> bool:
-    try:
-        import onnxruntime as ort
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
-
-
-needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from external import require_module
+from external import needs_cuda, require_module
 
 openai = require_module("openai", "pip install openai")
 httpx = require_module("httpx", "pip install httpx")
@@ -452,17 +452,8 @@ def test_bad_flags_and_engines_fail_in_one_line(engine, tiny_engine):
 
 # ----------------------------------------------------------------------------- the CUDA paged engine
 
-def _cuda_ready() -> bool:
-    try:
-        import onnxruntime as ort
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_ready(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
+@needs_cuda
 def test_gpu_paged_engine_serves_concurrent_clients_as_alone(ort_ops_lib, tmp_path, monkeypatch):
     """A --for-cuda --kv paged engine on the GPU: 24 concurrent clients get what each gets alone
     (greedy, fp16: the batch-invariant steps); a disconnect gives the pages back."""

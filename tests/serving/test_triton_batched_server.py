@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from external import missing, require_module  # noqa: E402
+from external import missing, needs_cuda, require_module  # noqa: E402
 from triton_server import GrpcStream, TritonServer, grpc_stream, model_env, pytriton_root  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -153,17 +153,8 @@ def test_sigterm_with_streams_open_stops_gracefully(server):
     assert left == [], f"tritonserver (pid {pid}) left {left}"
 
 
-def _cuda_ready() -> bool:
-    try:
-        import onnxruntime as ort
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_ready(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
+@needs_cuda
 def test_gpu_paged_engine_on_a_gpu_instance_serves_concurrent_streams_as_alone(ort_ops_lib, tmp_path, monkeypatch):
     """A --for-cuda --kv paged engine in a real tritonserver, one KIND_GPU instance (`gpus=(0,)`): the
     instance pins itself to its GPU, and 24 concurrent streams get what each gets alone (greedy, fp16:

@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from external import require_module
-from test_serve import KEY, MODEL, PROMPTS, REPO, Server, _cuda_ready, parse_prometheus, streamed, wait_for
+from external import needs_cuda, require_module
+from test_serve import KEY, MODEL, PROMPTS, REPO, Server, parse_prometheus, streamed, wait_for
 
 openai = require_module("openai", "pip install openai")
 
@@ -333,7 +333,7 @@ def test_devices_and_what_each_replica_sees(monkeypatch):
 # ----------------------------------------------------------------------------- one replica per GPU
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_ready(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
+@needs_cuda
 def test_gpu_devices_one_replica_per_gpu(ort_ops_lib, tmp_path):
     """--devices over the GPUs there are (two at most): concurrent clients get what each gets alone (greedy,
     fp16, batch-invariant steps), every replica serves some, SIGTERM exits 0 with no replica left."""

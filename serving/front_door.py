@@ -1,8 +1,10 @@
 """The front door of `enginesmith serve --devices 0,1` (or `--replicas N`): one OpenAI API over several replicas.
 
-    clients ──▶ front door (Starlette + uvicorn, --host/--port, the client's --api-key: 401 here)
+    clients ──▶ front door (Starlette + uvicorn, --host/--port, the client's --api-key: 401 here), in
+                --door-workers processes on one listening socket (serving/door_workers.py)
                   POST /v1/completions, /v1/chat/completions ── Router: the replica with the fewest requests
-                      in flight (ties: round robin) ──▶ http://127.0.0.1:PORT_i (internal key) ──▶ replica i
+                      in flight over all the workers (the shared board, serving/door_board.py; ties: round
+                      robin) ──▶ http://127.0.0.1:PORT_i (internal key) ──▶ replica i
                   ◀── its status, headers and body bytes, passed through as they come (SSE is not re-parsed)
                   GET /v1/models, /v1/models/{id}   the first live replica's answer
                   GET /health                       200 only if every replica answers 200 (503 while draining)
@@ -15,10 +17,12 @@ pass through as they are. A replica whose process ended, or whose port refuses c
 out of the routing (503 for a request that found it so); FrontDoorServer, which watches the processes
 (serving/replicas.py), then stops the whole server with exit status 1 so that it is restarted.
 
-    SIGTERM / Ctrl-C ─▶ begin_drain (/health and new requests: 503) ─▶ SIGTERM to every replica (each drains)
-        ─▶ wait until they exit (--drain-timeout + REPLICA_GRACE_S; a second signal is passed on, which cuts
-           their requests off; then SIGKILL) ─▶ the last bytes reach the clients ─▶ uvicorn shuts down
-    exit status: 0 if every replica exited 0; 1 if one cut requests off, was killed, or died while serving
+    SIGTERM / Ctrl-C ─▶ begin_drain (/health and new requests: 503; the other workers likewise) ─▶ SIGTERM to
+        every replica (each drains) ─▶ wait until they exit (--drain-timeout + REPLICA_GRACE_S; a second signal
+        is passed on, which cuts their requests off; then SIGKILL) ─▶ the last bytes reach the clients ─▶ the
+        workers exit ─▶ uvicorn shuts down
+    exit status: 0 if every replica exited 0; 1 if one cut requests off, was killed, or died while serving, or
+    a front-door worker died
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import sys
 import time
 from typing import Sequence
@@ -44,6 +50,8 @@ from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
 from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body
 from enginesmith.serving.http_server import AnnouncingServer
 from enginesmith.serving.openai_protocol import ApiError, error_body
+from enginesmith.serving.door_board import REASONS, DoorBoard
+from enginesmith.serving.door_workers import DoorWorkers, WorkerSpec
 from enginesmith.serving.replicas import ReplicaSet
 
 log = logging.getLogger("enginesmith.serve")
@@ -56,23 +64,23 @@ PASSED_HEADERS = ("content-type", "content-length", "retry-after", "cache-contro
 
 
 class Router:
-    """Which replica takes the next request: the fewest in flight among those up; ties go round robin."""
+    """Which replica takes the next request: the fewest in flight among those up, counted over every
+    front-door worker (the shared board); ties go round robin from where this worker left off."""
 
-    def __init__(self, n: int):
-        self.in_flight = [0] * n
-        self.up = [True] * n
-        self._next = 0
+    def __init__(self, board: DoorBoard, worker: int = 0):
+        self.board, self.worker = board, worker
+        self._next = worker % board.replicas  # workers start their round robin at different replicas
 
     def choose(self) -> int | None:
         """The replica for the next request (None when none is up); does not count it (see acquire)."""
-        live = [i for i, up in enumerate(self.up) if up]
-        if not live:
+        board, n = self.board, self.board.replicas
+        loads = {i: board.in_flight(i) for i in range(n) if board.is_up(i)}
+        if not loads:
             return None
-        least = min(self.in_flight[i] for i in live)
-        n = len(self.up)
+        least = min(loads.values())
         for k in range(n):
             i = (self._next + k) % n
-            if self.up[i] and self.in_flight[i] == least:
+            if loads.get(i) == least:
                 self._next = (i + 1) % n
                 return i
         raise AssertionError("unreachable: a live replica has the least requests in flight")
@@ -80,12 +88,11 @@ class Router:
     def acquire(self) -> int | None:
         i = self.choose()
         if i is not None:
-            self.in_flight[i] += 1
+            self.board.add_in_flight(self.worker, i, 1)
         return i
 
     def release(self, i: int) -> None:
-        assert self.in_flight[i] > 0, f"replica {i}: released more requests than it took"
-        self.in_flight[i] -= 1
+        self.board.add_in_flight(self.worker, i, -1)
 
 
 def relabel_metrics(texts: Sequence[tuple[int, str]]) -> list[str]:
@@ -120,22 +127,25 @@ def relabel_metrics(texts: Sequence[tuple[int, str]]) -> list[str]:
 class FrontDoor:
     """The routes' shared state: the replicas, the router, the keys, the HTTP client, draining."""
 
-    def __init__(self, replicas: ReplicaSet, api_key: str | None, internal_key: str,
+    def __init__(self, urls: Sequence[str], board: DoorBoard, worker: int, api_key: str | None, internal_key: str,
                  max_body_bytes: int = MAX_BODY_BYTES):
-        self.replicas = replicas
-        self.router = Router(len(replicas))
+        self.urls = list(urls)
+        self.board, self.worker = board, worker
+        self.router = Router(board, worker)
         self.api_key = api_key.encode() if api_key else None
         self.upstream_headers = {"authorization": f"Bearer {internal_key}"}
         self.max_body_bytes = max_body_bytes
         self.draining = False
-        self.rejected = {"unauthorized": 0, "draining": 0, "unavailable": 0}
         self.client: httpx.AsyncClient | None = None
 
     def begin_drain(self) -> None:
         self.draining = True
 
     def mark_down(self, i: int) -> None:
-        self.router.up[i] = False
+        self.board.mark_down(i)
+
+    def reject(self, reason: str) -> None:
+        self.board.reject(self.worker, reason)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -157,25 +167,25 @@ class FrontDoor:
         except ClientDisconnect:
             return Response(status_code=499)
         if self.draining:
-            self.rejected["draining"] += 1
+            self.reject("draining")
             raise ApiError(503, "the server is shutting down and takes no new requests", None, "draining",
                            retry_after=DRAIN_RETRY_AFTER_S)
         i = self.router.acquire()
         if i is None:
-            self.rejected["unavailable"] += 1
+            self.reject("unavailable")
             raise ApiError(503, "no engine replica is running", None, "unavailable", retry_after=DRAIN_RETRY_AFTER_S)
         headers = {**self.upstream_headers, "content-type": request.headers.get("content-type", "application/json")}
-        upstream = self.client.build_request("POST", self.replicas[i].url + request.url.path, content=body,
+        upstream = self.client.build_request("POST", self.urls[i] + request.url.path, content=body,
                                              headers=headers)
         return Proxied(self, i, upstream)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        live = [i for i, up in enumerate(self.router.up) if up]
+        live = [i for i in range(len(self.urls)) if self.board.is_up(i)]
         if not live:
             raise ApiError(503, "no engine replica is running", None, "unavailable", retry_after=DRAIN_RETRY_AFTER_S)
         try:
-            r = await self.client.get(self.replicas[live[0]].url + request.url.path, headers=self.upstream_headers,
+            r = await self.client.get(self.urls[live[0]] + request.url.path, headers=self.upstream_headers,
                                       timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError:
             raise ApiError(503, "the engine replica did not answer", None, "unavailable",
@@ -183,7 +193,7 @@ class FrontDoor:
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     async def health(self, request: Request) -> Response:
-        answers = await asyncio.gather(*(self._probe(i, "/health") for i in range(len(self.replicas))))
+        answers = await asyncio.gather(*(self._probe(i, "/health") for i in range(len(self.urls))))
         states = [_health_state(r) for r in answers]
         replicas = [{"replica": i, "status": s} for i, s in enumerate(states)]
         if self.draining:
@@ -194,30 +204,34 @@ class FrontDoor:
         return JSONResponse({"status": "degraded", "replicas": replicas}, 503)
 
     async def metrics_text(self, request: Request) -> Response:
-        answers = await asyncio.gather(*(self._probe(i, "/metrics") for i in range(len(self.replicas))))
+        answers = await asyncio.gather(*(self._probe(i, "/metrics") for i in range(len(self.urls))))
         texts = [(i, r.text) for i, r in enumerate(answers) if r is not None and r.status_code == 200]
         up = {i for i, _ in texts}
         p = PREFIX
         lines = relabel_metrics(texts)
         lines += [f"# HELP {p}replica_up Whether the replica answered this scrape (1) or not (0).",
                   f"# TYPE {p}replica_up gauge",
-                  *(f'{p}replica_up{{replica="{i}"}} {int(i in up)}' for i in range(len(self.replicas))),
-                  f"# HELP {p}front_door_requests_in_flight Requests the front door has open at each replica.",
+                  *(f'{p}replica_up{{replica="{i}"}} {int(i in up)}' for i in range(len(self.urls))),
+                  f"# HELP {p}front_door_requests_in_flight Requests the front door (all its workers) has open at "
+                  "each replica.",
                   f"# TYPE {p}front_door_requests_in_flight gauge",
-                  *(f'{p}front_door_requests_in_flight{{replica="{i}"}} {n}'
-                    for i, n in enumerate(self.router.in_flight)),
+                  *(f'{p}front_door_requests_in_flight{{replica="{i}"}} {self.board.in_flight(i)}'
+                    for i in range(len(self.urls))),
                   f"# HELP {p}front_door_rejected_total Requests the front door refused itself, by reason.",
                   f"# TYPE {p}front_door_rejected_total counter",
-                  *(f'{p}front_door_rejected_total{{reason="{k}"}} {n}' for k, n in self.rejected.items())]
+                  *(f'{p}front_door_rejected_total{{reason="{k}"}} {self.board.rejected(k)}' for k in REASONS),
+                  f"# HELP {p}front_door_workers Processes of the front door that accept and relay requests.",
+                  f"# TYPE {p}front_door_workers gauge",
+                  f"{p}front_door_workers {self.board.workers}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ pieces
 
     async def _probe(self, i: int, path: str) -> httpx.Response | None:
-        if not self.replicas[i].alive:
+        if not self.board.is_up(i):
             return None
         try:
-            return await self.client.get(self.replicas[i].url + path, timeout=PROBE_TIMEOUT_S)
+            return await self.client.get(self.urls[i] + path, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError:
             return None
 
@@ -225,7 +239,7 @@ class FrontDoor:
         try:
             check_api_key(request, self.api_key)
         except ApiError:
-            self.rejected["unauthorized"] += 1
+            self.reject("unauthorized")
             raise
 
     async def _body(self, request: Request) -> bytes:
@@ -277,7 +291,7 @@ class Proxied(Response):
             if isinstance(exc, httpx.ConnectError):  # nothing listens there any more: route around it
                 log.warning("replica %d refused a connection (%s); no more requests go to it", self.index, exc)
                 self.door.mark_down(self.index)
-            self.door.rejected["unavailable"] += 1
+            self.door.reject("unavailable")
             refusal = JSONResponse(error_body(f"engine replica {self.index} did not answer; retry",
                                               "service_unavailable_error", None, "unavailable"), 503,
                                    headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
@@ -298,9 +312,10 @@ class Proxied(Response):
             await response.aclose()
 
 
-def make_front_door(replicas: ReplicaSet, api_key: str | None, internal_key: str) -> Starlette:
-    """The ASGI app over `replicas` (each ready, its url known); app.state.door is the FrontDoor."""
-    door = FrontDoor(replicas, api_key, internal_key)
+def make_front_door(urls: Sequence[str], board: DoorBoard, worker: int, api_key: str | None,
+                    internal_key: str) -> Starlette:
+    """The ASGI app of front-door worker `worker` over the replicas at `urls`; app.state.door is the FrontDoor."""
+    door = FrontDoor(urls, board, worker, api_key, internal_key)
     routes = [Route("/v1/completions", door.generate, methods=["POST"]),
               Route("/v1/chat/completions", door.generate, methods=["POST"]),
               Route("/v1/models", door.models, methods=["GET"]),
@@ -314,11 +329,13 @@ def make_front_door(replicas: ReplicaSet, api_key: str | None, internal_key: str
 
 
 class FrontDoorServer(AnnouncingServer):
-    """uvicorn that stops the replicas with itself: on a signal, or when a replica dies (see the module doc)."""
+    """Worker 0: uvicorn that also supervises the replicas and the other workers, and stops them with itself:
+    on a signal, or when one of them dies (see the module doc)."""
 
-    def __init__(self, config: uvicorn.Config, door: FrontDoor, drain_timeout: float, summary: str):
+    def __init__(self, config: uvicorn.Config, door: FrontDoor, replicas: ReplicaSet, workers: DoorWorkers,
+                 drain_timeout: float, summary: str):
         super().__init__(config, summary)
-        self.door, self.drain_timeout = door, drain_timeout
+        self.door, self.replicas, self.workers, self.drain_timeout = door, replicas, workers, drain_timeout
         self.signals = 0
         self.failed: list[str] = []     # why the exit status is 1
         self._stop_task: asyncio.Future | None = None
@@ -330,18 +347,21 @@ class FrontDoorServer(AnnouncingServer):
     async def on_tick(self, counter: int) -> bool:
         self.announce()
         if self._stop_task is None:
-            dead = [r for r in self.door.replicas if not r.alive]
+            dead = [r for r in self.replicas if not r.alive]
             for r in dead:
                 self.door.mark_down(r.index)
                 self.failed.append(f"replica {r.index} ({r.label}, pid {r.pid}) exited with status {r.returncode} "
                                    "while serving")
-            if dead or self.signals:
+            self.failed += [f"front-door worker {w.index} (pid {w.pid}) exited with status {w.exitcode}"
+                            for w in self.workers.dead()]
+            if self.failed or self.signals:
                 self._stop_task = asyncio.ensure_future(self._stop())
         return await super().on_tick(counter)
 
     async def _stop(self) -> None:
-        door, replicas = self.door, self.door.replicas
+        door, replicas = self.door, self.replicas
         door.begin_drain()
+        self.workers.drain()  # they answer 503 to new requests and exit once their relays are done
         replicas.terminate()
         passed_on = self.signals
         deadline = time.monotonic() + self.drain_timeout + REPLICA_GRACE_S
@@ -359,19 +379,59 @@ class FrontDoorServer(AnnouncingServer):
                 self.failed.append(f"replica {r.index} ({r.label}) exited with status {r.returncode}"
                                    + (" (it cut requests off)" if r.returncode == 1 else ""))
         deadline = time.monotonic() + 5.0  # the last bytes of the finished answers reach their clients
-        while any(door.router.in_flight) and time.monotonic() < deadline:
+        while any(door.board.in_flight(i) for i in range(len(replicas))) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.workers.stop, 5.0)
         self.should_exit = True
 
 
-def serve_front_door(app: Starlette, host: str, port: int, drain_timeout: float, summary: str,
-                     log_level: str = "warning", access_log: bool = False) -> list[str]:
-    """Run the front door until a signal or a replica's death, and until the replicas have stopped;
-    what made the exit status 1 (empty: 0). SystemExit when uvicorn cannot start (it logs why)."""
+class WorkerServer(uvicorn.Server):
+    """Worker 1, 2, ...: uvicorn on the shared socket; a signal (or its supervisor's end) drains it: 503 for
+    new requests, and it exits once its own relays are done."""
+
+    def __init__(self, config: uvicorn.Config, door: FrontDoor, supervisor: int):
+        super().__init__(config)
+        self.door, self.supervisor = door, supervisor
+
+    def handle_exit(self, sig, frame) -> None:
+        self.door.begin_drain()
+
+    async def on_tick(self, counter: int) -> bool:
+        if os.getppid() != self.supervisor:
+            self.door.begin_drain()
+        if self.door.draining and not self.door.board.in_flight_of(self.door.worker):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def run_worker(spec: WorkerSpec, sock: socket.socket, index: int, supervisor: int) -> None:
+    """The body of a spawned front-door worker (serving/door_workers.py)."""
+    app = make_front_door(spec.urls, spec.board, index, spec.api_key, spec.internal_key)
+    config = uvicorn.Config(app, log_level=spec.log_level, access_log=spec.access_log, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    WorkerServer(config, app.state.door, supervisor).run(sockets=[sock])
+
+
+def serve_front_door(replicas: ReplicaSet, workers: int, api_key: str | None, internal_key: str, host: str,
+                     port: int, drain_timeout: float, summary: str, log_level: str = "warning",
+                     access_log: bool = False) -> list[str]:
+    """Listen on host:port with `workers` front-door processes (this one and workers - 1 spawned ones, one
+    listening socket) over the ready `replicas`; run until a signal or a death, and until the replicas and
+    workers have stopped. Returns what made the exit status 1 (empty: 0). SystemExit when the address
+    cannot be bound (uvicorn logs why)."""
+    urls = [r.url for r in replicas]
+    board = DoorBoard(workers, len(urls))
+    app = make_front_door(urls, board, 0, api_key, internal_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=5)
-    server = FrontDoorServer(config, app.state.door, drain_timeout, summary)
-    server.run()
+    sock = config.bind_socket()
+    spawned = DoorWorkers.start(run_worker, WorkerSpec(urls, board, api_key, internal_key, log_level, access_log), sock, workers)
+    try:
+        server = FrontDoorServer(config, app.state.door, replicas, spawned, drain_timeout, summary)
+        server.run(sockets=[sock])
+    finally:
+        spawned.stop(0.0)
+        sock.close()
     for line in server.failed:
         print(f"enginesmith serve: {line}", file=sys.stderr)
     return server.failed

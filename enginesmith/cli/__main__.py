@@ -2,4 +2,5 @@
 
 from enginesmith.cli import run
 
-run()
+if __name__ == "__main__":  # not when a spawned process (the front door's workers) imports the main module
+    run()

@@ -2,7 +2,7 @@
 
     enginesmith serve --engine DIR | --model SPEC [--device auto|cpu|cuda] [--host 127.0.0.1] [--port 8000]
                       [--max-batch N] [--num-pages K] [--max-waiting N] [--api-key KEY] [--model-name NAME]
-                      [--devices 0,1 | --replicas N]
+                      [--devices 0,1 | --replicas N] [--door-workers N]
 
     open the engine (runtime.load) ─▶ its PagedModel ─▶ one BatcherLoop (serving/loop.py) ─▶ the ASGI app
     ─▶ uvicorn; one line on stdout once it listens: "enginesmith serve: http://HOST:PORT ..."
@@ -73,6 +73,9 @@ def add_parser(verbs) -> None:
                         "replica with the fewest in flight")
     r.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="N engine replicas on the one device (default 1; for tests and CPU hosts; GPUs: --devices)")
+    r.add_argument("--door-workers", type=int, default=None, metavar="N",
+                   help="processes of the front door that accept requests and relay the answers, on one port "
+                        "(default: 2 per replica, at most the CPU count)")
     r.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
                    help="seconds the replicas may take to load their engines and listen (default 600)")
     s = p.add_argument_group("scheduler")
@@ -102,6 +105,11 @@ def _check_flags(args) -> None:
     if args.devices is not None and args.replicas != 1:
         raise UserError("--devices and --replicas were both given", "give --devices 0,1 (one replica per GPU) or "
                         "--replicas N (N on one device), not both")
+    if args.door_workers is not None and args.door_workers < 1:
+        raise UserError(f"--door-workers {args.door_workers} is too small", "give --door-workers >= 1")
+    if args.door_workers is not None and args.devices is None and args.replicas == 1:
+        raise UserError("--door-workers sizes the front door of several replicas; one server has none",
+                        "add --devices 0,1 or --replicas N, or leave out --door-workers")
     if not args.start_timeout > 0:
         raise UserError(f"--start-timeout {args.start_timeout} is not positive", "give --start-timeout > 0 seconds")
     missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
@@ -203,7 +211,7 @@ def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildC
                     api_key: str | None) -> int:
     """The front door over one `enginesmith serve` child per GPU (or --replicas on one device); the
     engine is built here once (--model), then each child opens it with the same scheduler flags."""
-    from enginesmith.serving.front_door import make_front_door, serve_front_door  # deferred: imports uvicorn
+    from enginesmith.serving.front_door import serve_front_door  # deferred: imports uvicorn
 
     if args.engine and args.model:
         raise UserError("--engine and --model were both given", "pass only one of them")
@@ -221,12 +229,13 @@ def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildC
         for r in replicas:
             print(f"enginesmith serve: replica {r.index} ({r.label}, pid {r.pid}) at {r.url}", file=sys.stderr,
                   flush=True)
-        app = make_front_door(replicas, api_key, internal_key)
-        summary = (f"{len(replicas)} engine replicas ({', '.join(r.label for r in replicas)}) behind one front door"
-                   f"{', API key required' if api_key else ''}")
+        workers = args.door_workers or max(1, min(2 * len(replicas), os.cpu_count() or 1))
+        summary = (f"{len(replicas)} engine replicas ({', '.join(r.label for r in replicas)}) behind one front door "
+                   f"of {workers} process{'es' if workers > 1 else ''}{', API key required' if api_key else ''}")
         try:
-            failed = serve_front_door(app, args.host, args.port, args.drain_timeout, summary,
-                                      log_level=args.log_level, access_log=args.access_log)
+            failed = serve_front_door(replicas, workers, api_key, internal_key, args.host, args.port,
+                                      args.drain_timeout, summary, log_level=args.log_level,
+                                      access_log=args.access_log)
         except SystemExit:  # uvicorn's start-up failure (it logged why, e.g. the address is in use)
             raise UserError(f"cannot serve on {args.host}:{args.port} (see the message above)",
                             "choose another --port or --host, or stop what uses it") from None

@@ -35,14 +35,20 @@ from test_serve import KEY, MODEL, PROMPTS, REPO, Server, parse_prometheus, stre
 openai = require_module("openai", "pip install openai")
 
 from enginesmith.core.errors import UserError  # noqa: E402
+from enginesmith.serving.door_board import DoorBoard  # noqa: E402
 from enginesmith.serving.front_door import Router, relabel_metrics  # noqa: E402
 from enginesmith.serving.replicas import cuda_visible  # noqa: E402
 
 REPLICA = re.compile(r"replica (\d+) \([^)]*, pid (\d+)\) at http://")
+WORKER = re.compile(r"front-door worker (\d+) \(pid (\d+)\)")
 
 
 def replica_pids(server: Server) -> list[int]:
     return [int(pid) for _, pid in REPLICA.findall(server.err.read_text())]
+
+
+def worker_pids(server: Server) -> list[int]:
+    return [int(pid) for _, pid in WORKER.findall(server.err.read_text())]
 
 
 def pid_alive(pid: int) -> bool:
@@ -55,7 +61,7 @@ def pid_alive(pid: int) -> bool:
 
 def stop_all(server: Server) -> None:
     """The front door, then any replica it left (by PID): nothing outlives a test."""
-    pids = replica_pids(server)
+    pids = replica_pids(server) + worker_pids(server)
     server.stop()
     for pid in pids:
         if pid_alive(pid):
@@ -95,10 +101,11 @@ def oracle(paged_engine):
 
 @pytest.fixture(scope="module")
 def door(paged_engine, tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("door"), paged_engine, "--replicas", "2", env={"ENGINESMITH_API_KEY": KEY})
+    s = Server(tmp_path_factory.mktemp("door"), paged_engine, "--replicas", "2", "--door-workers", "2",
+               env={"ENGINESMITH_API_KEY": KEY})
     try:
         s.wait_ready()
-        assert len(replica_pids(s)) == 2, s.err.read_text()
+        assert len(replica_pids(s)) == 2 and len(worker_pids(s)) == 1, s.err.read_text()
         yield s
     finally:
         stop_all(s)
@@ -191,10 +198,11 @@ def test_a_client_that_disconnects_frees_its_pages(door):
 # ----------------------------------------------------------------------------- stopping
 
 def test_sigterm_drains_every_stream_then_exits_0_with_no_replica_left(paged_engine, tmp_path):
-    server = Server(tmp_path, paged_engine, "--replicas", "2", "--max-batch", "1", "--drain-timeout", "60").wait_ready()
+    server = Server(tmp_path, paged_engine, "--replicas", "2", "--door-workers", "2", "--max-batch", "1",
+                    "--drain-timeout", "60").wait_ready()
     try:
-        pids = replica_pids(server)
-        assert len(pids) == 2
+        pids = replica_pids(server) + worker_pids(server)
+        assert len(pids) == 2 + 1  # two replicas, one front-door worker beside the supervisor
         results: dict[int, tuple] = {}
         started = threading.Semaphore(0)
 
@@ -251,6 +259,19 @@ def test_a_replica_that_dies_stops_the_server_with_exit_1(paged_engine, tmp_path
         stop_all(server)
 
 
+def test_a_front_door_worker_that_dies_stops_the_server_with_exit_1(paged_engine, tmp_path):
+    server = Server(tmp_path, paged_engine, "--replicas", "2", "--door-workers", "3").wait_ready()
+    try:
+        pids, workers = replica_pids(server), worker_pids(server)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=30) == 1
+        assert not [pid for pid in pids + workers if pid_alive(pid)]
+        assert f"front-door worker 1 (pid {workers[0]}) exited with status -9" in server.err.read_text()
+    finally:
+        stop_all(server)
+
+
 def test_a_replica_that_cannot_start_gives_one_line(tiny_engine):
     dense = subprocess.run([sys.executable, "-m", "enginesmith.cli", "serve", "--engine", str(tiny_engine("llama")),
                             "--port", "0", "--threads", "1", "--replicas", "2"],
@@ -288,15 +309,19 @@ def test_metrics_of_several_replicas_become_one_exposition():
 
 
 def test_routing_takes_the_least_busy_replica_and_round_robin_on_ties():
-    router = Router(3)
+    board = DoorBoard(workers=2, replicas=3)
+    router, other = Router(board, 0), Router(board, 1)
     assert [router.acquire() for _ in range(3)] == [0, 1, 2]  # all idle: round robin
     router.release(1)
     assert router.acquire() == 1  # the only one with fewer in flight
     assert [router.acquire() for _ in range(3)] == [2, 0, 1]  # a tie again: on from where it left off
     router.release(0), router.release(0)
-    router.up[0] = False  # a replica that is down gets nothing, however idle
-    assert router.choose() in (1, 2) and router.in_flight == [0, 2, 2]
-    router.up[1] = router.up[2] = False
+    assert other.acquire() == 0  # the other worker sees this one's requests: 0 is the least busy of all
+    assert [board.in_flight(i) for i in range(3)] == [1, 2, 2] and board.in_flight_of(1) == 1
+    other.release(0)
+    board.mark_down(0)  # a replica that is down gets nothing, however idle
+    assert router.choose() in (1, 2) and [board.in_flight(i) for i in range(3)] == [0, 2, 2]
+    board.mark_down(1), board.mark_down(2)
     assert router.acquire() is None
     with pytest.raises(AssertionError):
         router.release(0)

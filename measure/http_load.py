@@ -14,6 +14,10 @@ P prompt tokens, T output tokens asked for (max_tokens).
         ▼
     {output tok/s, req/s, TTFT / ITL / TPOT / latency p50 p99, errors by kind} per C ── format_load, plot_load
 
+One process reads ~25-40k SSE events/s (one core). measure/load_procs.py (`bench serve --procs K`) deals
+the same requests over K worker processes that each run `load` from one shared start, and merges their
+outcomes into the same `report`.
+
 The requests:
     openai  POST {url}/v1/completions {"model", "prompt": text, "max_tokens": T, "temperature": 0,
             "stream": true, "stream_options": {"include_usage": true}}; events `data: {json}` until
@@ -35,6 +39,7 @@ Timing (time.perf_counter on the client):
     latency  from sending to the end of the stream; wait (open loop) from arrival to sending.
     seconds  from the first send to the last stream's end; tok/s = output tokens of the requests
              that succeeded / seconds, req/s = succeeded requests / seconds.
+    in flight  the most requests open at once, from each request's [sent, ended] (every process's).
 
 Output tokens of a request, the first source that is there (`tokens_counted_by` says which):
     usage      the server's usage.completion_tokens (OpenAI: asked for with stream_options);
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -250,27 +256,23 @@ def arrival_times(n: int, rate: float, seed: int = 0) -> np.ndarray:
 
 
 async def _drive(clients: asyncio.Queue, target: Target, prompts: Sequence[Prompt], concurrency: int,
-                 rate: float | None, seed: int, timeout: float,
-                 on_done: Callable[[], object] | None = None) -> tuple[list[Outcome], int]:
-    """Every prompt sent once, at most `concurrency` in flight; (outcomes in prompt order, most in flight)."""
+                 due: np.ndarray | None, start: float, timeout: float,
+                 on_done: Callable[[], object] | None = None) -> list[Outcome]:
+    """Every prompt sent once, at most `concurrency` in flight; the outcomes in prompt order. `due`:
+    seconds after `start` at which each prompt arrives (open loop), or None (closed loop)."""
     outcomes: list[Outcome | None] = [None] * len(prompts)
-    in_flight = peak = 0
 
     async def one(i: int, arrival: float) -> None:
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
         p = prompts[i]
         client = clients.get_nowait()  # never empty: at most `concurrency` requests are in flight
         try:
             outcomes[i] = await request(client, target, p.text, p.max_tokens, timeout, arrival)
         finally:
             clients.put_nowait(client)
-        in_flight -= 1
         if on_done is not None:
             on_done()
 
-    if rate is None:  # closed loop: C clients share one queue
+    if due is None:  # closed loop: C clients share one queue
         queue = iter(range(len(prompts)))
 
         async def client_loop() -> None:
@@ -279,9 +281,7 @@ async def _drive(clients: asyncio.Queue, target: Target, prompts: Sequence[Promp
 
         await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(prompts)))))
     else:
-        due = arrival_times(len(prompts), rate, seed)
         slots = asyncio.Semaphore(concurrency)
-        start = time.perf_counter()
 
         async def arrive(i: int) -> None:
             await asyncio.sleep(max(0.0, start + due[i] - time.perf_counter()))
@@ -290,7 +290,7 @@ async def _drive(clients: asyncio.Queue, target: Target, prompts: Sequence[Promp
                 await one(i, arrival)
 
         await asyncio.gather(*(arrive(i) for i in range(len(prompts))))
-    return outcomes, peak  # type: ignore[return-value]
+    return outcomes  # type: ignore[return-value]
 
 
 def _client(timeout: float) -> httpx.AsyncClient:
@@ -302,19 +302,22 @@ def _client(timeout: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, pool=None))
 
 
-async def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, rate: float | None = None, *,
-                   seed: int = 0, timeout: float = DEFAULT_TIMEOUT, tokenizer=None, warmup: int | None = None,
-                   progress: bool = False) -> dict:
-    """Send `prompts` with at most `concurrency` in flight, closed loop or (with `rate`) Poisson
-    arrivals, after `warmup` untimed requests of WARMUP_TOKENS tokens sent at once (default:
-    min(C, N)); the module doc's figures as a JSON-able dict."""
+def check_run(prompts: Sequence[Prompt], concurrency: int, rate: float | None) -> None:
+    """A UserError for a run that cannot be: no prompts, C < 1, R <= 0."""
     if not isinstance(concurrency, int) or concurrency < 1:
         raise UserError(f"invalid concurrency={concurrency!r}", "give a concurrency >= 1")
     if rate is not None and not rate > 0:
         raise UserError(f"invalid rate={rate!r}", "give a rate > 0 requests/s")
     if not prompts:
         raise UserError("no requests to send", "give at least one request")
-    warmup = min(concurrency, len(prompts)) if warmup is None else warmup
+
+
+async def load(target: Target, prompts: Sequence[Prompt], concurrency: int, due: np.ndarray | None = None, *,
+               timeout: float = DEFAULT_TIMEOUT, warmup: int, on_done: Callable[[], object] | None = None,
+               start_at: Callable[[], float] = time.perf_counter) -> tuple[list[Outcome], list[Outcome], float]:
+    """One process's load: `warmup` requests of WARMUP_TOKENS tokens sent at once on fresh clients,
+    then `start_at()` names the start (perf_counter seconds, now or soon: waited for), then `_drive`.
+    (warm-up outcomes, outcomes in prompt order, start)."""
     async with contextlib.AsyncExitStack() as stack:
         pool = [await stack.enter_async_context(_client(timeout)) for _ in range(max(concurrency, warmup))]
         warm = await asyncio.gather(*(request(pool[k], target, p.text, min(p.max_tokens, WARMUP_TOKENS), timeout)
@@ -322,15 +325,49 @@ async def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, 
         clients: asyncio.Queue = asyncio.Queue()
         for client in pool[:concurrency]:
             clients.put_nowait(client)
-        bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req", leave=False,
-                   disable=None if progress else True)
-        start = time.perf_counter()
-        outcomes, peak = await _drive(clients, target, prompts, concurrency, rate, seed, timeout, bar.update)
-        bar.close()
+        start = start_at()
+        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+        outcomes = await _drive(clients, target, prompts, concurrency, due, start, timeout, on_done)
+    return list(warm), outcomes, start
+
+
+async def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, rate: float | None = None, *,
+                   seed: int = 0, timeout: float = DEFAULT_TIMEOUT, tokenizer=None, warmup: int | None = None,
+                   progress: bool = False) -> dict:
+    """Send `prompts` with at most `concurrency` in flight, closed loop or (with `rate`) Poisson
+    arrivals, after `warmup` untimed requests of WARMUP_TOKENS tokens sent at once (default:
+    min(C, N)); the module doc's figures as a JSON-able dict. In this process: measure/load_procs.py
+    splits the same run over several."""
+    check_run(prompts, concurrency, rate)
+    warmup = min(concurrency, len(prompts)) if warmup is None else warmup
+    due = None if rate is None else arrival_times(len(prompts), rate, seed)
+    bar = progress_bar(len(prompts), concurrency, progress)
+    warm, outcomes, start = await load(target, prompts, concurrency, due, timeout=timeout, warmup=warmup,
+                                       on_done=bar.update)
+    bar.close()
+    return report(concurrency, rate, prompts, warm, outcomes, start, tokenizer)
+
+
+def progress_bar(total: int, concurrency: int, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=f"concurrency {concurrency}", unit="req", leave=False,
+                disable=None if enabled else True)
+
+
+def report(concurrency: int, rate: float | None, prompts: Sequence[Prompt], warm: Sequence[Outcome],
+           outcomes: Sequence[Outcome], start: float, tokenizer=None, procs: int = 1) -> dict:
+    """One run's JSON-able figures: its settings, the warm-up, and `summarize` over the outcomes
+    (in prompt order), timed from `start` to the last stream's end."""
     seconds = max(o.ended for o in outcomes) - start
-    result = summarize(outcomes, prompts, seconds, tokenizer)
-    return {"concurrency": concurrency, "rate": rate, "warmup_requests": warmup,
-            "warmup_errors": sum(o.error_kind is not None for o in warm), "max_in_flight": peak, **result}
+    return {"concurrency": concurrency, "rate": rate, "procs": procs, "warmup_requests": len(warm),
+            "warmup_errors": sum(o.error_kind is not None for o in warm),
+            **summarize(outcomes, prompts, seconds, tokenizer)}
+
+
+def max_in_flight(outcomes: Sequence[Outcome]) -> int:
+    """The most requests open at once, from each request's [sent, ended] (an end before a start at
+    the same instant: a closed loop's client reuses its slot)."""
+    edges = sorted([(o.sent, 1) for o in outcomes] + [(o.ended, -1) for o in outcomes])
+    return max(itertools.accumulate(step for _, step in edges), default=0)
 
 
 def summarize(outcomes: Sequence[Outcome], prompts: Sequence[Prompt], seconds: float, tokenizer=None) -> dict:
@@ -353,7 +390,7 @@ def summarize(outcomes: Sequence[Outcome], prompts: Sequence[Prompt], seconds: f
             if o.chunk_times and n > 1]
     arrivals = sorted(o.arrival for o in outcomes)
     return {
-        "requests": len(outcomes), "completed": len(ok),
+        "requests": len(outcomes), "completed": len(ok), "max_in_flight": max_in_flight(outcomes),
         "errors": {"total": len(outcomes) - len(ok), "by_kind": kinds, "examples": examples},
         "seconds": seconds, "output_tokens": tokens, "prompt_tokens": sum(p.prompt_tokens for _, p in ok),
         "tok_s": tokens / seconds, "req_s": len(ok) / seconds,
@@ -363,17 +400,6 @@ def summarize(outcomes: Sequence[Outcome], prompts: Sequence[Prompt], seconds: f
         "arrival_rate": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if arrivals[-1] > arrivals[0] else None,
         "chunks": sum(len(o.chunk_times) for o, _ in ok), "tokens_counted_by": by,
     }
-
-
-async def _sweep(target: Target, prompts: Sequence[Prompt], concurrencies: Sequence[int], rate: float | None,
-                 **kwargs) -> list[dict]:
-    return [await run_load(target, prompts, c, rate, **kwargs) for c in concurrencies]
-
-
-def sweep(target: Target, prompts: Sequence[Prompt], concurrencies: Sequence[int], rate: float | None = None,
-          **kwargs) -> list[dict]:
-    """run_load at each concurrency on the same prompts (keyword arguments as run_load's)."""
-    return asyncio.run(_sweep(target, prompts, concurrencies, rate, **kwargs))
 
 
 # ----------------------------------------------------------------------------- the server, the prompts
@@ -470,9 +496,10 @@ def format_load(result: dict) -> str:
         e = r["errors"]
         errors = ", ".join(f"{k} {n}" for k, n in sorted(e["by_kind"].items())) or "none"
         counted = ", ".join(f"{k} {n}" for k, n in sorted(r["tokens_counted_by"].items()))
+        procs = f" ({r['procs']} client processes)" if r["procs"] > 1 else ""
         lines += [
             f"\nconcurrency {r['concurrency']}: {r['completed']} of {r['requests']} requests, {r['output_tokens']} "
-            f"output tokens in {r['seconds']:.2f} s; most in flight {r['max_in_flight']}; errors: {errors}",
+            f"output tokens in {r['seconds']:.2f} s; most in flight {r['max_in_flight']}{procs}; errors: {errors}",
             f"  throughput  {r['tok_s']:.1f} output tok/s, {r['req_s']:.2f} req/s (tokens counted by {counted or '-'})",
             f"  TTFT ms     p50 {_ms(r['ttft_ms']['p50'])}  p99 {_ms(r['ttft_ms']['p99'])}",
             f"  ITL ms      p50 {_ms(r['itl_ms']['p50'])}  p99 {_ms(r['itl_ms']['p99'])}  (between chunks; TPOT p50 "

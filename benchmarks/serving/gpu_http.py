@@ -6,6 +6,8 @@ after the other on one GPU. Each server is started on 127.0.0.1 and stopped by i
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 64,128 \
         --servers ours,replicas --devices 0,1 --out-dir $OUT          # the two-GPU figure
 
+The client is `bench serve --procs auto` (one process per 32 streams) unless --procs says otherwise.
+
 Triton's model environment needs numpy<2 (tests/serving/triton_server.py says why): on a machine without an
 index, set ENGINESMITH_TRITON_WHEELS to a folder holding a numpy<2 wheel.
 """
@@ -34,7 +36,7 @@ ES = [sys.executable, "-m", "enginesmith.cli"]
 def bench(url: str, engine: str, args, api: str, model: str | None, out: Path) -> dict:
     cmd = [*ES, "bench", "serve", "--url", url, "--api", api, "--concurrency", args.concurrency,
            "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
-           "--new-tokens", str(args.new_tokens), "--tokenizer", engine, "--json",
+           "--new-tokens", str(args.new_tokens), "--tokenizer", engine, "--procs", args.procs, "--json",
            "--png", str(out.with_suffix(".png"))]
     if model:
         cmd += ["--model", model]
@@ -102,6 +104,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--procs", default="auto",
+                    help="bench serve's client processes (default auto: one per 32 streams, so 4 at 128; one "
+                         "process reads ~25k events/s and must not cap the figure)")
     ap.add_argument("--servers", default="ours,triton", help="any of ours, replicas, triton")
     ap.add_argument("--devices", default="0,1", help="replicas: the GPUs (serve --devices)")
     ap.add_argument("--out-dir", type=Path, required=True)
@@ -115,7 +120,8 @@ def main() -> None:
             result = ours(args, args.out_dir, "replicas", ("--devices", args.devices))
         else:
             result = ours(args, args.out_dir)
-        summary[name] = [{"concurrency": r["concurrency"], "tok_s": round(r["tok_s"], 1), "req_s": round(r["req_s"], 2),
+        summary[name] = [{"concurrency": r["concurrency"], "procs": r.get("procs", 1), "tok_s": round(r["tok_s"], 1),
+                          "req_s": round(r["req_s"], 2),
                           "ttft_ms_p50": r["ttft_ms"]["p50"], "itl_ms_p50": r["itl_ms"]["p50"],
                           "itl_ms_p99": r["itl_ms"]["p99"], "errors": r["errors"]["by_kind"]}
                          for r in result.get("runs", [])] or result

@@ -17,6 +17,7 @@ machine the client competes with the server for cores.
 
     python3 benchmarks/serving/http_overhead.py --step-ms 3.3 --concurrency 64,128
     python3 benchmarks/serving/http_overhead.py --step-ms 0 --concurrency 64 --py-spy /tmp/prof.txt
+    python3 benchmarks/serving/http_overhead.py --step-ms 0 --concurrency 64 --procs 2   # the client in 2 processes
 
 --py-spy FILE samples this process with py-spy (if installed) while the client runs and writes the top
 functions by own time (leaf frames) to FILE; --yappi FILE does the same with yappi's CPU clock
@@ -89,7 +90,8 @@ def children_cpu_s() -> float:
 def bench(url: str, engine: Path, c: int, args) -> dict:
     cmd = [sys.executable, "-m", "enginesmith.cli", "bench", "serve", "--url", url, "--concurrency", str(c),
            "--requests", str(args.requests or 8 * c), "--prompt-tokens", str(args.prompt_tokens),
-           "--new-tokens", str(args.new_tokens), "--tokenizer", str(engine), "--ignore-eos", "--json"]
+           "--new-tokens", str(args.new_tokens), "--tokenizer", str(engine), "--ignore-eos", "--procs", args.procs,
+           "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if not run.stdout.strip().startswith("{"):
         raise RuntimeError(f"bench serve failed ({run.returncode}):\n{run.stderr[-3000:]}")
@@ -185,7 +187,8 @@ def drive(server: uvicorn.Server, loop: BatcherLoop, model: FakePagedModel, engi
             tokens = stats.generated_tokens - stats0.generated_tokens
             served = stats.requests_finished - stats0.requests_finished
             cpu = time.process_time() - cpu0
-            row = {"concurrency": c, "rows": rows, "step_ms": args.step_ms, "tok_s": run["tok_s"],
+            row = {"concurrency": c, "procs": run["procs"], "rows": rows, "step_ms": args.step_ms,
+                   "tok_s": run["tok_s"],
                    "ideal_tok_s": rows / (args.step_ms / 1000) if args.step_ms else None,
                    "errors": run["errors"]["total"], "itl_p50_ms": run["itl_ms"]["p50"],
                    "ttft_p50_ms": run["ttft_ms"]["p50"], "server_tokens": tokens, "steps": steps,
@@ -198,7 +201,7 @@ def drive(server: uvicorn.Server, loop: BatcherLoop, model: FakePagedModel, engi
                    "wall_s": wall}
             results.append(row)
             ideal = f" (ideal {row['ideal_tok_s']:.0f})" if row["ideal_tok_s"] else ""
-            print(f"C={c:4d} rows {rows:3d}: {row['tok_s']:8.0f} tok/s{ideal}; server CPU "
+            print(f"C={c:4d} rows {rows:3d} client procs {row['procs']}: {row['tok_s']:8.0f} tok/s{ideal}; server CPU "
                   f"{row['server_cpu_us_per_token']:.1f} us/token (batcher thread "
                   f"{row['batcher_thread_us_per_token']:.1f}, event loop {row['event_loop_us_per_token']:.1f}); "
                   f"{row['tokens_per_step']:.1f} tokens/step; "
@@ -224,6 +227,7 @@ def main() -> int:
     p.add_argument("--switch-interval", type=float, default=None, metavar="S",
                    help="sys.setswitchinterval for this process (default: the interpreter's, 0.005 s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for one client run")
+    p.add_argument("--procs", default="1", metavar="K|auto", help="the client's processes (bench serve --procs)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
     p.add_argument("--py-spy", default=None, metavar="FILE", help="profile with py-spy; top functions to FILE")
     p.add_argument("--yappi", default=None, metavar="FILE", help="profile with yappi; top functions to FILE")

@@ -7,6 +7,8 @@ Any OpenAI-compatible server (POST /v1/completions, streamed) or Triton's HTTP g
 The prompts are the Austen workload of `bench --requests` (measure/throughput.workload), made with
 a tokenizer and sent as text: --tokenizer (an engine directory or a model spec), else the served
 model's name when it is a local path, else the embedded default model's (SmolLM2).
+--procs K splits each run's streams over K client processes (measure/load_procs.py): one Python
+process reads ~25-40k server-sent events/s, less than a fast server sends at high concurrency.
 Exit status: 0, 1 when any request failed (the report is printed all the same), 2 bad input.
 """
 
@@ -56,6 +58,10 @@ def add_parser(subverbs) -> None:
                         "Triton model (no chat template); a key set to null is left out of the body")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="seconds for one request, its whole stream included (default 300)")
+    p.add_argument("--procs", default="1", metavar="K|auto",
+                   help="client processes that share each run's streams (default 1); auto: one per 32 streams, "
+                        "at most the CPUs. One Python process reads ~25-40k SSE events/s: give more for a server "
+                        "that streams faster (measure/load_procs.py)")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", default=None, metavar="FILE",
@@ -76,8 +82,16 @@ def _extra_body(text: str | None) -> dict:
     return value
 
 
-def _check(args) -> tuple[list[int], dict]:
-    """The concurrencies and the extra body; every flag checked before the server is asked anything."""
+def _procs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"--procs {text!r} is not a positive number or auto", "give --procs 2, say, or --procs auto")
+    return int(text)
+
+
+def _check(args) -> tuple[list[int], dict, int | str]:
+    """The concurrencies, the extra body and --procs; every flag checked before the server is asked anything."""
     concurrencies = int_list(args.concurrency, "--concurrency")
     for flag, value in (("--requests", args.requests), ("--prompt-tokens", args.prompt_tokens),
                         ("--new-tokens", args.new_tokens)):
@@ -91,13 +105,13 @@ def _check(args) -> tuple[list[int], dict]:
                         "leave it out for --api triton, or put the model's own input in --extra-body")
     if args.png:
         check_png(args.png)
-    return concurrencies, _extra_body(args.extra_body)
+    return concurrencies, _extra_body(args.extra_body), _procs(args.procs)
 
 
 def cmd_bench_serve(args) -> int:
-    from enginesmith.measure import http_load, throughput  # deferred: imports onnxruntime (optional)
+    from enginesmith.measure import http_load, load_procs, throughput  # deferred: imports onnxruntime (optional)
 
-    concurrencies, extra = _check(args)
+    concurrencies, extra, procs = _check(args)
     url = http_load.base_url(args.url, args.api)
     model = http_load.served_model(url, args.api, args.model, args.api_key)
     tokenizer, described = http_load.load_tokenizer(args.tokenizer, model)
@@ -108,9 +122,9 @@ def cmd_bench_serve(args) -> int:
     print(f"[bench serve] {model} at {url} ({args.api}); prompts made with the tokenizer of {described}",
           file=sys.stderr)
     target = http_load.Target(url, args.api, model, args.api_key, args.ignore_eos, extra)
-    runs = http_load.sweep(target, prompts, concurrencies, args.rate, seed=args.seed, timeout=args.timeout,
-                           tokenizer=tokenizer, progress=True)
-    result = {"url": url, "api": args.api, "model": model, "tokenizer": described, "rate": args.rate,
+    runs = load_procs.sweep(target, prompts, concurrencies, args.rate, procs=procs, seed=args.seed,
+                            timeout=args.timeout, tokenizer=tokenizer, progress=True)
+    result = {"url": url, "api": args.api, "model": model, "tokenizer": described, "rate": args.rate, "procs": procs,
               "timeout_s": args.timeout, "ignore_eos": args.ignore_eos, "extra_body": extra,
               "workload": throughput.describe_workload(requests, args.seed, args.prompt_tokens, args.new_tokens, text),
               "runs": runs}

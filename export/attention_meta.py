@@ -69,4 +69,4 @@ def unfused_reason(metadata_props: dict) -> str | None:
     if not caps:
         return None
     return (f"its attention soft-capping ({', '.join(map(str, sorted(caps)))}: Gemma 2) is exported as "
-            "MatMul, Div, Tanh, Mul, Softmax, which no fusion here turns into an Attention op yet")
+            "MatMul, Div, Tanh, Mul, Softmax, not as an Attention op (the fuse_attention pass fuses it)")

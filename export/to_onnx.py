@@ -14,6 +14,7 @@ import logging
 import warnings
 from pathlib import Path
 
+import onnx_ir as ir
 import torch
 
 from enginesmith.core.errors import UserError
@@ -67,13 +68,43 @@ def export(model, out_path: Path, dtype: str = "fp32", opset: int = 23, verbose:
             )
             program.model.metadata_props[attention_meta.METADATA_KEY] = attention_meta.dumps(
                 attention_meta.of_config(model.config))
+            cast_rms_inputs(program.model.graph)
             program.save(str(out_path), external_data=True)
+    except torch.onnx.OnnxExporterError as exc:  # torch.export or the ONNX translation failed on this model
+        first = next((line for line in str(exc).splitlines() if "Exception summary" not in line and line.strip()), "")
+        cause = getattr(exc, "__cause__", None)
+        raise UserError(f"torch.onnx could not export {type(model).__name__} in {dtype}: "
+                        f"{(str(cause).splitlines() or [''])[0] if cause else first}"[:400],
+                        "try another --dtype (fp32 exports are tested for every family), or report it "
+                        "with ENGINESMITH_DEBUG=1's traceback") from exc
     finally:
         model.to(torch.float32)
     data = out_path.with_name(out_path.name + ".data")
     if not data.exists():  # tiny models can end up without external data; keep the layout fixed
         data.write_bytes(b"")
     return out_path
+
+
+def cast_rms_inputs(graph: ir.Graph) -> int:
+    """RMSNormalization whose input X and scale differ in type (an fp16 model that normalizes in fp32:
+    OLMo 2, Gemma) gets X cast to the scale's type. The operator's spec gives Y the scale's type, as the
+    exporter declares it; ONNX Runtime 1.31 and onnx 1.23's type inference give it X's, and refuse the
+    graph. After the Cast both read it alike (the norm's arithmetic is fp32 either way). Returns the count."""
+    count = 0
+    for node in list(graph):
+        if node.op_type != "RMSNormalization" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        x, scale = node.inputs[0], node.inputs[1]
+        if x is None or scale is None or x.dtype is None or scale.dtype is None or x.dtype == scale.dtype:
+            continue
+        cast = ir.Node("", "Cast", [x], [ir.AttrInt64("to", int(scale.dtype))], num_outputs=1,
+                       name=f"{node.name or 'rms'}_input_cast")
+        cast.outputs[0].name = f"{x.name}_as_{scale.dtype.name.lower()}_{count}"
+        cast.outputs[0].type, cast.outputs[0].shape = ir.TensorType(scale.dtype), x.shape
+        graph.insert_before(node, cast)
+        node.replace_input_with(0, cast.outputs[0])
+        count += 1
+    return count
 
 
 @contextlib.contextmanager

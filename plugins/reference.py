@@ -12,6 +12,67 @@ import numpy as np
 import torch
 
 
+def _rotate_half_split(x, cos, sin):
+    """GroupQueryAttention's rotary (half-split pairs x[i], x[i + D/2]) of fp16 x [..., D] with fp16
+    cos/sin [..., D/2] broadcast against it, in fp32, rounded to fp16 (what goes into the cache)."""
+    half = x.shape[-1] // 2
+    c, s = cos.astype(np.float32), sin.astype(np.float32)
+    x1, x2 = x[..., :half].astype(np.float32), x[..., half:].astype(np.float32)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float16)
+
+
+def attention_mask(query_pos, key_pos, window: int = -1):
+    """Keys each query sees [n, t] (bool): causal, and with a window W > 0 only the last W positions,
+    itself included (key > query - W: transformers' sliding_window, com.microsoft.GroupQueryAttention's
+    local_window_size since ONNX Runtime 1.23)."""
+    query_pos, key_pos = np.asarray(query_pos)[:, None], np.asarray(key_pos)[None, :]
+    seen = key_pos <= query_pos
+    return seen & (key_pos > query_pos - window) if window > 0 else seen
+
+
+def softcap_scores(scores, softcap: float = 0.0):
+    """Gemma 2's attention soft-capping of scaled scores: softcap * tanh(scores / softcap); 0 = off."""
+    return softcap * np.tanh(scores / softcap) if softcap > 0 else scores
+
+
+def group_query_attention(qkv, past_key, past_value, seqlens_k, cos_cache, sin_cache, num_heads: int,
+                          kv_num_heads: int, scale: float, softcap: float = 0.0, local_window_size: int = -1):
+    """numpy reference of com.enginesmith.GroupQueryAttention (plugins/ort_ops/attention.h), which has
+    com.microsoft.GroupQueryAttention's semantics with do_rotary=1, packed QKV and a shared buffer.
+
+    qkv [B, S, (H + 2 Hkv) D] fp16; past_key/past_value [B, Hkv, C, D] fp16; seqlens_k [B] int32 (tokens
+    in row b after this step, minus 1); cos_cache/sin_cache [P, D/2] fp16. Row b's token s sits at
+    p = seqlens_k[b] + 1 - S + s; q and k are rotated there (fp16), the new K/V go to the cache, and
+    the token attends to attention_mask(p, keys, local_window_size) with soft-capped fp32 scores.
+    Returns (out [B, S, H D] fp16, present_key, present_value): new arrays. A row whose length leaves
+    [S, C] or the rotary tables gets NaN outputs and an untouched cache.
+    """
+    B, S, width = qkv.shape
+    H, Hkv = num_heads, kv_num_heads
+    D = width // (H + 2 * Hkv)
+    G, C, P = H // Hkv, past_key.shape[2], cos_cache.shape[0]
+    heads = qkv.reshape(B, S, H + 2 * Hkv, D)
+    k_cache, v_cache = past_key.copy(), past_value.copy()
+    out = np.full((B, S, H, D), np.nan, np.float16)
+    for b in range(B):
+        total = int(seqlens_k[b]) + 1
+        past = total - S
+        if past < 0 or total > C or total > P:
+            continue
+        pos = past + np.arange(S)
+        cos, sin = cos_cache[pos][:, None, :], sin_cache[pos][:, None, :]
+        k_cache[b, :, past:total] = _rotate_half_split(heads[b, :, H:H + Hkv], cos, sin).transpose(1, 0, 2)
+        v_cache[b, :, past:total] = heads[b, :, H + Hkv:].transpose(1, 0, 2)
+        q = _rotate_half_split(heads[b, :, :H], cos, sin).astype(np.float32)  # [S, H, D]
+        k = np.repeat(k_cache[b, :, :total].astype(np.float32), G, axis=0)  # [H, total, D]
+        v = np.repeat(v_cache[b, :, :total].astype(np.float32), G, axis=0)
+        scores = softcap_scores(np.einsum("shd,htd->hst", q, k) * np.float32(scale), softcap)
+        scores = np.where(attention_mask(pos, np.arange(total), local_window_size)[None], scores, -np.inf)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b] = (np.einsum("hst,htd->shd", w, v) / w.sum(-1).T[..., None]).astype(np.float16)
+    return out.reshape(B, S, H * D), k_cache, v_cache
+
+
 def paged_attention(query, k_cache, v_cache, block_tables, context_lens, scale: float | None = None):
     """Causal attention of the Sq new tokens over each sequence's pages; float32 [B, Sq, H, D].
 

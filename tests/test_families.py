@@ -105,7 +105,8 @@ def _pipeline(column: str, features: tuple[str, ...]) -> str:
     ring = "kv_ring:sinks=0:window=16" if "sliding_window" in features else "kv_ring:sinks=4:window=16"
     return {"smoothquant": "smoothquant:alpha=0.5", "w4a16-rtn": "quantize_w4a16:block_size=16",
             "w4a16-awq": "awq:block_size=16,quantize_w4a16:block_size=16", "w8a8": "quantize_w8a8",
-            "ring": ring, "paged": "kv_paged:page_size=4", "GroupQueryAttention": "lower_gqa:capacity=64"}[column]
+            "ring": ring, "paged": "kv_paged:page_size=4",
+            "GroupQueryAttention": "fuse_attention,lower_gqa:capacity=64"}[column]
 
 
 @pytest.mark.parametrize("name", ALL_TINY)
@@ -113,14 +114,57 @@ def test_support_table_says_what_the_passes_do(name, tiny_engine, tmp_path):
     family = models.load(f"tiny:{name}").family
     features = features_of(family, models.load(f"tiny:{name}").model.config)
     verdicts = limits(features)
-    src = tiny_engine(name) / "model.onnx"
     for column in ("smoothquant", "w4a16-rtn", "w4a16-awq", "w8a8", "ring", "paged", "GroupQueryAttention"):
         out = tmp_path / column / "model.onnx"
+        # the GQA column is the CUDA path, which lowers fp16 exports (Phi-3's fails in torch.export: fp32)
+        cuda = column == "GroupQueryAttention" and name != "phi3"
+        src = (fp16_engine(name) if cuda else tiny_engine(name)) / "model.onnx"
         if verdicts[column] == "yes":
             run_pipeline(src, out, _pipeline(column, features), calibration=_calibration(), progress=False)
         else:
             with pytest.raises(UserError):
                 run_pipeline(src, out, _pipeline(column, features), calibration=_calibration(), progress=False)
+
+
+def fp16_engine(name: str):
+    """The fp16 export of tiny:<name>: what the CUDA path (lower_gqa) starts from."""
+    from enginesmith.build.engine import BuildConfig, cached_engine
+
+    return cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3"])
+def test_lower_gqa_keeps_softcap_windows_and_qk_norms(name, tmp_path):
+    """fuse_attention + lower_gqa on the fp16 exports: Gemma 2's soft-capping becomes the Attention op's and
+    then GroupQueryAttention's softcap (exact against the eager graph in fp32), the sliding layers keep
+    local_window_size, q/k RMSNorms (Qwen 3, Gemma 3: per head) stay before the op's RoPE. The lowered graph
+    on the CPU EP against the unlowered one: logits through a prefill past the window and decode steps."""
+    import onnx
+
+    from enginesmith.runtime.ort_cuda import GqaEngine
+    from enginesmith.runtime.ort_engine import OrtEngine
+
+    src = fp16_engine(name) / "model.onnx"
+    out = tmp_path / "model.onnx"
+    report = run_pipeline(src, out, "fuse_attention,lower_gqa:capacity=64", progress=False)
+    assert report[1]["counts"] == {"gqa": 2, "not_lowered": 0}
+    assert report[0]["counts"]["attention_fused"] == (2 if name == "gemma2" else 0)
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+             for n in onnx.load(str(out), load_external_data=False).graph.node if n.op_type == "GroupQueryAttention"]
+    windows = [a.get("local_window_size") for a in attrs]
+    assert windows == ([8, None] if name in ("gemma2", "gemma3") else [None, None])  # sliding, then global
+    assert [a.get("softcap") for a in attrs] == ([50.0, 50.0] if name == "gemma2" else [None, None])
+    ref, low = OrtEngine(src, device="cpu", threads=1), GqaEngine(out, device="cpu", max_batch=1, capacity=64,
+                                                                   threads=1)
+    c_ref, c_low, past = ref.new_cache(1), low.new_cache(1), 0
+    rng = np.random.default_rng(0)
+    for n in (20, 1, 1, 4, 1):
+        ids = rng.integers(0, ref.vocab, (1, n))
+        mask, pos = np.ones((1, past + n), np.int64), np.arange(past, past + n)[None]
+        a = np.asarray(low.forward(ids, mask, pos, c_low), np.float32)
+        b = np.asarray(ref.forward(ids, mask, pos, c_ref), np.float32)
+        assert np.abs(a - b).max() <= 2e-2 * max(1.0, np.abs(b).max()), f"step of {n} tokens"
+        past += n
 
 
 def test_smoothquant_reports_the_sites_it_cannot_fold(tiny_engine, tmp_path):
@@ -294,7 +338,8 @@ def test_models_verb_prints_the_table_and_json(capsys):
     assert set(data) == {f.name for f in FAMILIES.values()}
     assert data["gemma3"]["support"] == support(FAMILIES["gemma3_text"])
     assert data["mistral"]["support"]["paged"].startswith("yes (not with sliding_window")
-    assert data["qwen3"]["support"]["GroupQueryAttention"].startswith("no: q/k RMSNorm")
+    assert data["qwen3"]["support"]["GroupQueryAttention"] == "yes"
+    assert data["olmo2"]["support"]["GroupQueryAttention"].startswith("no: its fp16 export rotates q and k in fp32")
 
 
 # ----------------------------------------------------------------------------- CUDA (the GPU machine)
@@ -307,15 +352,17 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
-def test_cuda_gqa_sliding_window_matches_the_cpu_graph(tmp_path):
-    """Mistral with a window of 8, fp16, lowered to GroupQueryAttention(local_window_size) on CUDA:
-    logits against the same lowered graph on the CPU EP over a prefill past the window and decode
-    steps (ORT's CUDA and CPU kernels must read local_window_size the same way), and 40 greedy tokens
-    against the plain fp16 graph."""
+@pytest.mark.parametrize("name", ["mistral-sw", "gemma2", "gemma3", "qwen3"])
+def test_cuda_gqa_matches_the_cpu_graph(name, tmp_path):
+    """fp16, lowered to GroupQueryAttention on CUDA: Mistral's window of 8 (local_window_size), Gemma 2's
+    soft-capping, alternating windows and head size 256, Gemma 3's and Qwen 3's q/k norms. Logits against the
+    same lowered graph on the CPU EP over a prefill past the window and decode steps (ORT's CUDA and CPU
+    kernels must read softcap and local_window_size the same way), and 40 greedy tokens against the plain
+    fp16 graph."""
     from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
     from enginesmith.runtime.ort_cuda import open_gqa_engine
 
-    src = cached_engine(BuildConfig(model="tiny:mistral-sw", dtype="fp16"), progress=False)
+    src = cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
     low = lower_for_cuda(src, tmp_path / "engine", capacity=64, progress=False, custom_ops=False)
     cuda = open_gqa_engine(low, device="cuda", max_batch=1).engine
     cpu = open_gqa_engine(low, device="cpu", max_batch=1).engine

@@ -341,14 +341,15 @@ def steps(config: BuildConfig, max_positions: int | None = None) -> list:
 
 
 def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
-    """ort-cuda: GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
+    """ort-cuda: an eager-exported attention as the Attention op (fuse_attention; nothing to do for most
+    exports), GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
     (skip_rmsnorm), with w4a16-rtn int4 weights as MatMulNBits (the lm_head too with quantize_lm_head,
     after untie_lm_head gives a tied one its own matrix), and the remaining fp16 MatMuls as
     FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the embedding table
     instead of a transposed copy ORT would fold at load); with the custom ops, the decode GEMVs
     (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops. A paged engine
     has them all and ends with paged_gqa (the attention over page pools)."""
-    text = f"lower_gqa:capacity={capacity},skip_rmsnorm"
+    text = f"fuse_attention,lower_gqa:capacity={capacity},skip_rmsnorm"  # fuse_attention: Gemma 2's soft-capping
     if config.quant == "w4a16-rtn":
         lm_head = ",untie_lm_head" if config.quantize_lm_head else ""
         text += (f"{lm_head},quantize_w4a16:block_size={config.block_size}:include_lm_head={config.quantize_lm_head}"

@@ -12,7 +12,8 @@ import json
 from enginesmith.models.families import CUDA_OPS, FAMILIES, FEATURES, KV_LAYOUTS, PASSES, Family, support
 
 COLUMNS = PASSES + KV_LAYOUTS + CUDA_OPS
-SHORT = {"GroupQueryAttention": "gqa", "enginesmith.PagedGroupQueryAttention": "paged-gqa"}
+SHORT = {"GroupQueryAttention": "gqa", "enginesmith.GroupQueryAttention": "es-gqa",
+         "enginesmith.PagedGroupQueryAttention": "paged-gqa"}
 
 
 def add_parser(verbs) -> None:

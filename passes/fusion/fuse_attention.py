@@ -4,11 +4,14 @@ Dimension legend: B batch, H query heads, Hkv key/value heads (G = H / Hkv), S q
 D head size.
 
     q ──[Mul|Div a]──────────────────────────────────┐
-    kv ─[repeat G]─ Transpose(0,1,3,2) ─[Mul|Div b]──┴ MatMul ─[Mul|Div c]─[Add m]─[Cast]─ Softmax
-    vv ─[repeat G]─────────────────────────────────────────────┐       ─[IsNaN→0]─[Cast]─┘
+    kv ─[repeat G]─ Transpose(0,1,3,2) ─[Mul|Div b]──┴ MatMul ─[Mul|Div c]─[cap]─[Add m]─[Cast]─ Softmax
+    vv ─[repeat G]─────────────────────────────────────────────┐             ─[IsNaN→0]─[Cast]─┘
                                                                └────────────── MatMul ─ y
   =>
-    y = Attention(q, kv, vv, m', scale=a·b·c)        kv, vv keep their Hkv heads
+    y = Attention(q, kv, vv, m', scale=a·b·c[, softcap=s])   kv, vv keep their Hkv heads
+
+[cap] is Gemma 2's soft-capping Mul(Tanh(Div(x, s)), s) = s·tanh(x / s), applied before the mask, as
+the Attention op applies its softcap attribute (the ONNX reference and ONNX Runtime's kernels).
 
 The variants are those the exporters write: TorchScript's and opset < 23 dynamo's decomposition of
 `scaled_dot_product_attention` (q and k each scaled by sqrt(scale), the key transposed directly or
@@ -56,7 +59,7 @@ class UnfusedAttention(Rule):
 
     name = "unfused_attention"
 
-    def pattern(self, op, q, k, v, mask, q_scale, k_scale, qk_scale, nan_fill):
+    def pattern(self, op, q, k, v, mask, q_scale, k_scale, qk_scale, cap_in, cap_out, nan_fill):
         # The key transposed: BHTD -> BHDT directly, or through 3-D [B*H, T, D].
         k_t = _p.OrValue([
             op.Transpose(k, perm=[0, 1, 3, 2]),
@@ -70,6 +73,9 @@ class UnfusedAttention(Rule):
         scores = op.MatMul(q, k_t)
         scores = _p.OrValue([op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
                             tag_var="qk_op", tag_values=["Mul", "Div", None])
+        # Gemma 2's soft-capping: softcap * tanh(scores / softcap), before the mask
+        scores = _p.OrValue([op.Mul(op.Tanh(op.Div(scores, cap_in)), cap_out), scores], tag_var="capped",
+                            tag_values=[True, False])
         scores = _p.OrValue([op.Add(scores, mask), scores], tag_var="masked", tag_values=[True, False])
         scores = _p.OrValue([op.Cast(scores, _outputs=["cast_in"]), scores])
         weights = op.Softmax(scores, _outputs=["softmax"])
@@ -93,6 +99,8 @@ class UnfusedAttention(Rule):
             return "the NaN guard after Softmax does not write 0"
         if scale_of(m) is None:
             return "a scale is not a constant scalar"
+        if m["capped"] and softcap_of(m) is None:
+            return "the soft-capping is not softcap * tanh(scores / softcap) with one positive constant softcap"
         precision = _softmax_precision(m)
         if precision is False:
             return "Casts around Softmax change the output type"
@@ -127,6 +135,12 @@ def scale_of(m: Match) -> float | None:
             return None
         scale *= s if op == "Mul" else 1.0 / s
     return scale
+
+
+def softcap_of(m: Match) -> float | None:
+    """softcap of a matched Mul(Tanh(Div(scores, c)), c) (c a positive constant scalar), else None."""
+    cap_in, cap_out = _scalar(m["cap_in"]), _scalar(m["cap_out"])
+    return cap_in if cap_in is not None and cap_in > 0 and cap_in == cap_out else None
 
 
 def _softmax_precision(m: Match) -> int | None | bool:
@@ -223,6 +237,8 @@ def _fuse(graph: ir.Graph, m: Match) -> bool:
     if m["masked"] and mask is None:
         mask = m["mask"]
     attrs = [ir.AttrFloat32("scale", scale_of(m)), ir.AttrInt64("is_causal", 0)]
+    if m["capped"]:
+        attrs.append(ir.AttrFloat32("softcap", softcap_of(m)))
     precision = _softmax_precision(m)
     if precision:
         attrs.append(ir.AttrInt64("softmax_precision", precision))

@@ -66,11 +66,49 @@ def _heads(op, x, w, b, tag):
     return op.Transpose(op.Reshape(proj, _p.ANY_VALUE, _allow_other_attributes=True), perm=[0, 2, 1, 3])
 
 
+def _normed_heads(op, x, w, b, tag):
+    """q or k heads, with an RMSNorm where Qwen 3 and Gemma 3 (each head) or OLMo 2 (the whole
+    projection) put it before RoPE; the norm's node is captured as `{tag}_norm`, its form as `{tag}_norm_at`."""
+    proj = _p.OrValue([op.Add(op.MatMul(x, w), b), op.MatMul(x, w)], tag_var=f"{tag}_bias",
+                      tag_values=[True, False])
+    def rms(x, cast=True):  # an fp16 export may normalize in fp32 and Cast the output back (OLMo 2, Gemma 3)
+        x = _p.OrValue([op.Cast(x), x])  # X cast to the scale's type (export.to_onnx.cast_rms_inputs)
+        y = op.RMSNormalization(x, _p.ANY_VALUE, _allow_other_attributes=True, _outputs=[f"{tag}_norm"])
+        return _p.OrValue([op.Cast(y, _outputs=[f"{tag}_norm_cast"]), y]) if cast else y
+
+    heads = op.Reshape(_p.OrValue([rms(proj), proj], tag_var=f"{tag}_flat", tag_values=[True, False]), _p.ANY_VALUE,
+                       _allow_other_attributes=True)
+    heads = _p.OrValue([rms(heads), heads], tag_var=f"{tag}_per_head", tag_values=[True, False])
+    t = op.Transpose(heads, perm=[0, 2, 1, 3])
+    t = _p.OrValue([rms(t, cast=False), t], tag_var=f"{tag}_after", tag_values=[True, False])
+    # one Cast here: the after-norm's back to the projection's type (Gemma 3), or up to fp32 for a rotation in
+    # fp32 that is cast back after it (OLMo 2; `{tag}_down` in _rotary); check() tells which
+    return _p.OrValue([op.Cast(t, _outputs=[f"{tag}_cast"]), t])
+
+
+def norm_cast(m: Match, tag: str) -> bool:
+    """Whether q's or k's norm output is cast back to the projection's type (in fp16 exports)."""
+    return m[f"{tag}_norm_cast"] is not None or (bool(m[f"{tag}_after"]) and m[f"{tag}_cast"] is not None
+                                                 and m[f"{tag}_down"] is None)
+
+
+def norm_form(m: Match, tag: str) -> str | None:
+    """Where q's or k's RMSNorm sits: "flat" (over the projection, [B, S, H*D]), "head" (over each head's
+    D values, before or after the transpose) or None."""
+    if m[f"{tag}_flat"]:
+        return "flat"
+    if m[f"{tag}_per_head"] or m[f"{tag}_after"]:
+        return "head"
+    return None
+
+
 def _rotary(op, x, cos, sin, tag):
     lo = op.Slice(x, _allow_other_inputs=True, _outputs=[f"{tag}_lo"])
     hi = op.Slice(x, _allow_other_inputs=True, _outputs=[f"{tag}_hi"])
     rotated = op.Concat(op.Neg(hi), lo, axis=-1)
     decomposed = op.Add(op.Mul(x, op.Unsqueeze(cos, _p.ANY_VALUE)), op.Mul(rotated, op.Unsqueeze(sin, _p.ANY_VALUE)))
+    # OLMo 2 (fp16) rotates in fp32 and casts back; GQA rotates with fp16 tables (in fp32 arithmetic)
+    decomposed = _p.OrValue([op.Cast(decomposed, _outputs=[f"{tag}_down"]), decomposed])
     fused = op.RotaryEmbedding(x, cos, sin, _allow_other_attributes=True, _outputs=[f"{tag}_rope"])
     return _p.OrValue([fused, decomposed], tag_var=f"{tag}_fused", tag_values=[True, False])
 
@@ -85,8 +123,8 @@ class KVCacheAttention(Rule):
     name = "kv_cache_attention"
 
     def pattern(self, op, x, wq, wk, wv, bq, bk, bv, past_k, past_v, cos_q, sin_q, cos_k, sin_k):
-        q = _rotary(op, _heads(op, x, wq, bq, "q"), cos_q, sin_q, "q")
-        k = _rotary(op, _heads(op, x, wk, bk, "k"), cos_k, sin_k, "k")
+        q = _rotary(op, _normed_heads(op, x, wq, bq, "q"), cos_q, sin_q, "q")
+        k = _rotary(op, _normed_heads(op, x, wk, bk, "k"), cos_k, sin_k, "k")
         v = _heads(op, x, wv, bv, "v")
         present_k = op.Concat(past_k, k, _allow_other_attributes=True, _outputs=["present_k"])
         present_v = op.Concat(past_v, v, _allow_other_attributes=True, _outputs=["present_v"])
@@ -131,6 +169,10 @@ class KVCacheAttention(Rule):
         if m["q_fused"] != m["k_fused"]:
             return "q and k use different rotary forms"
         for tag in ("q", "k"):
+            reason = _norm_reason(m, tag, d)
+            if reason:
+                return reason
+        for tag in ("q", "k"):
             reason = _rotary_reason(m, tag, d)
             if reason:
                 return reason
@@ -147,6 +189,27 @@ def _kv_dims(m: Match) -> tuple[int, int] | None:
     return int(shape[1]), int(shape[3])
 
 
+def _norm_reason(m: Match, tag: str, d: int) -> str | None:
+    form = norm_form(m, tag)
+    if form is None:
+        return None
+    if sum(bool(m[f"{tag}_{at}"]) for at in ("flat", "per_head", "after")) > 1:
+        return f"{tag} is normalized twice"
+    norm = m[f"{tag}_norm"].producer()
+    if match.attr(norm, "axis", -1) != -1:
+        return f"{tag}'s RMSNorm is not over the last axis"
+    cast = m[f"{tag}_norm_cast"]
+    if cast is not None and match.attr(cast.producer(), "to") != int(m["x"].type.dtype):
+        return f"{tag}'s RMSNorm is cast to another type than the projection's"
+    if m[f"{tag}_after"] and m[f"{tag}_cast"] is None and m["x"].type.dtype != norm.inputs[1].dtype:
+        return f"{tag}'s RMSNorm changes the type and is not cast back"
+    scale = norm.inputs[1]
+    dims = scale.shape.rank() if scale is not None and scale.shape is not None else None
+    if dims != 1 or not isinstance(scale.shape[0], int) or (form == "head" and scale.shape[0] != d):
+        return f"{tag}'s RMSNorm scale is not one static vector of the normalized size"
+    return None
+
+
 def _rotary_reason(m: Match, tag: str, d: int) -> str | None:
     if m[f"{tag}_fused"]:
         rope = m[f"{tag}_rope"].producer()
@@ -155,6 +218,13 @@ def _rotary_reason(m: Match, tag: str, d: int) -> str | None:
         if len(rope.inputs) > 3 and rope.inputs[3] is not None:
             return "RotaryEmbedding takes position_ids (a cos/sin cache indexed by the op)"
         return None
+    cast, down, dtype = m[f"{tag}_cast"], m[f"{tag}_down"], int(m["x"].type.dtype)
+    if down is not None and (cast is None or m[f"{tag}_after"]):
+        return f"{tag}'s rotation is cast back without a cast before it"
+    if down is not None and match.attr(down.producer(), "to") != dtype:
+        return f"{tag}'s rotation is cast back to another type than the projection's"
+    if down is None and cast is not None and not (m[f"{tag}_after"] and match.attr(cast.producer(), "to") == dtype):
+        return f"{tag} is cast before its rotation and not back"
     lo, hi = m[f"{tag}_lo"].producer(), m[f"{tag}_hi"].producer()
     want = {"lo": (0, d // 2), "hi": (d // 2, None)}
     for name, node in (("lo", lo), ("hi", hi)):
@@ -220,7 +290,7 @@ def position_table(model: ir.Model, value: ir.Value, capacity: int) -> np.ndarra
         [onnx.helper.make_tensor_value_info(name, int(shaped[name].dtype), list(a.shape))
          for name, a in dummies.items()],
         [onnx.helper.make_value_info(value.name, onnx.TypeProto())],
-        [ir.serde.serialize_tensor(c.const_value) for c in consts.values()])
+        [ir.serde.serialize_tensor(ir.Tensor(c.const_value.numpy())) for c in consts.values()])  # inline
     for init, name in zip(graph.initializer, consts):
         init.name = name
     proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
@@ -291,6 +361,8 @@ def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, 
                              num_outputs=1, name=namer(f"{base}_qkv_bias")))
         qkv = nodes[-1].outputs[0]
     qkv.name, qkv.type = namer(f"{base}_qkv_out"), ir.TensorType(dtype)
+    if norm_form(m, "q") or norm_form(m, "k"):
+        qkv = _normalized_qkv(graph, m, namer, nodes, qkv, base, [heads * d, hkv * d, hkv * d], d, dtype)
     scale = match.attr(attention, "scale", None)
     attrs = [ir.AttrInt64("num_heads", heads), ir.AttrInt64("kv_num_heads", hkv), ir.AttrInt64("do_rotary", 1),
              ir.AttrInt64("rotary_interleaved", 0),
@@ -317,6 +389,53 @@ def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, 
         graph.outputs[graph.outputs.index(old_present)] = new
     for past in (m["past_k"], m["past_v"]):
         past.shape = ir.Shape([past.shape[0], hkv, "kv_capacity", d])
+
+
+def _normalized_qkv(graph: ir.Graph, m: Match, namer: Namer, nodes: list, qkv: ir.Value, base: str,
+                    widths: list[int], d: int, dtype) -> ir.Value:
+    """The packed [B, S, (H + 2 Hkv) D] projection with q's and k's RMSNorm applied as the export did
+    (the same node attributes and scale; a per-head norm over [B, S, heads, D]): Split, norm, Concat."""
+    split = ir.Node("", "Split", [qkv, add_initializer(graph, namer, f"{base}.qkv_split", np.array(widths, np.int64))],
+                    [ir.AttrInt64("axis", -1)], num_outputs=3, name=namer(f"{base}_qkv_split"))
+    nodes.append(split)
+    parts = list(split.outputs)
+    for i, tag in ((0, "q"), (1, "k")):
+        form = norm_form(m, tag)
+        if form is None:
+            continue
+        old = m[f"{tag}_norm"].producer()
+        x = parts[i]
+        if form == "head":
+            shape = add_initializer(graph, namer, f"{base}.{tag}_heads", np.array([0, 0, -1, d], np.int64))
+            nodes.append(ir.Node("", "Reshape", [x, shape], num_outputs=1, name=namer(f"{base}_{tag}_heads")))
+            x = nodes[-1].outputs[0]
+        attrs = [a for a in old.attributes.values()]
+        scale_type = old.inputs[1].dtype
+        if scale_type is not None and scale_type != dtype:  # X in the scale's type, as the export has it
+            nodes.append(ir.Node("", "Cast", [x], [ir.AttrInt64("to", int(scale_type))], num_outputs=1,
+                                 name=namer(f"{base}_{tag}_norm_in")))
+            x = nodes[-1].outputs[0]
+        nodes.append(ir.Node(old.domain, "RMSNormalization", [x, old.inputs[1]], attrs, num_outputs=1,
+                             name=namer(f"{base}_{tag}_norm")))
+        x = nodes[-1].outputs[0]
+        if norm_cast(m, tag):  # back to the projection's type, as the export did
+            nodes.append(ir.Node("", "Cast", [x], [ir.AttrInt64("to", int(dtype))], num_outputs=1,
+                                 name=namer(f"{base}_{tag}_norm_cast")))
+            x = nodes[-1].outputs[0]
+        if form == "head":
+            flat = add_initializer(graph, namer, f"{base}.{tag}_flat", np.array([0, 0, widths[i]], np.int64))
+            nodes.append(ir.Node("", "Reshape", [x, flat], num_outputs=1, name=namer(f"{base}_{tag}_flat")))
+            x = nodes[-1].outputs[0]
+        parts[i] = x
+    nodes.append(ir.Node("", "Concat", parts, [ir.AttrInt64("axis", -1)], num_outputs=1,
+                         name=namer(f"{base}_qkv_normed")))
+    for node in nodes[nodes.index(split):]:  # types for the checker: a norm's output (and its input cast)
+        for value in node.outputs:              # has the scale's type
+            value.name = value.name or namer(f"{node.name}_out")
+            to = match.attr(node, "to") if node.op_type == "Cast" else None
+            norm = node.op_type == "RMSNormalization" and node.inputs[1].dtype is not None
+            value.type = ir.TensorType(node.inputs[1].dtype if norm else ir.DataType(to) if to else dtype)
+    return nodes[-1].outputs[0]
 
 
 def _new_inputs(graph: ir.Graph) -> dict:

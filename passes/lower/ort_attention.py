@@ -3,15 +3,17 @@
 runs five (rotary + cache append, sequence lengths, a fill, the attention, its split reduction).
 
     GroupQueryAttention(qkv, -, -, past_k, past_v, seqlens_k, total_sequence_length, cos, sin;
-                        do_rotary=1, rotary_interleaved=0)            (com.microsoft)
+                        do_rotary=1, rotary_interleaved=0[, softcap][, local_window_size])  (com.microsoft)
   =>
-    GroupQueryAttention(qkv, past_k, past_v, seqlens_k, total_sequence_length, cos, sin)
-                                                                      (com.enginesmith)
+    GroupQueryAttention(qkv, past_k, past_v, seqlens_k, total_sequence_length, cos, sin
+                        [; softcap][; local_window_size])                                 (com.enginesmith)
 
 Same inputs (less the unused key/value), outputs and semantics: packed QKV, half-split rotary, causal
-attention over past + new tokens, the new K/V written into the present buffer. Applies to fp16, head
-size 64 or 128, at most 16 query heads per KV head, without softcap, local window or smooth softmax;
-any other GroupQueryAttention is left to ORT and reported with the reason (PassResult.skipped).
+attention over past + new tokens, the new K/V written into the present buffer; Gemma 2's soft-capping
+and sliding windows (Gemma 2/3, Mistral) carried over as the same attributes. Applies to fp16, head
+size 64, 128 or 256, at most 16 query heads per KV head (8 at head size 256), without smooth softmax
+or qk output; any other GroupQueryAttention is left to ORT and reported with the reason
+(PassResult.skipped).
 Not exact: sums in another order (fp32), checked with a tolerance. The graph then needs the library at
 run time (plugins/ort_ops.py registers it).
 """
@@ -29,13 +31,15 @@ from enginesmith.passes.machinery.edit import Namer, replace_value, to_attrs
 from enginesmith.passes.machinery.match import Match, Rule
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
-HEAD_SIZES = (64, 128)
-MAX_GROUP = 16  # query heads per KV head a block holds
+HEAD_SIZES = (64, 128, 256)
+MAX_GROUP = {64: 16, 128: 16, 256: 8}  # query heads per KV head a block holds, by head size
 # The ORT op's inputs, in order; the custom op takes all but key and value.
 GQA_INPUTS = ("qkv", "key", "value", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
 KEPT = ("qkv", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
 # Attributes whose non-default values the kernel does not implement.
-UNSUPPORTED = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0}
+UNSUPPORTED = {"smooth_softmax": 0, "qk_output": 0}
+# Attributes the kernel takes as they are, with their "off" values (left off the new node).
+CARRIED = {"softcap": 0.0, "local_window_size": -1}
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,16 @@ class PackedRotaryGQA(Rule):
         heads, kv_heads = match.attr(node, "num_heads"), match.attr(node, "kv_num_heads")
         if not heads or not kv_heads or heads % kv_heads:
             return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
-        if heads // kv_heads > MAX_GROUP:
-            return f"{heads // kv_heads} query heads per KV head, over {MAX_GROUP}"
-        if 2 * cos.shape[1] not in HEAD_SIZES:
-            return f"head size {2 * cos.shape[1]} is not one of {HEAD_SIZES}"
+        head_size = 2 * cos.shape[1]
+        if head_size not in HEAD_SIZES:
+            return f"head size {head_size} is not one of {HEAD_SIZES}"
+        if heads // kv_heads > MAX_GROUP[head_size]:
+            return f"{heads // kv_heads} query heads per KV head, over {MAX_GROUP[head_size]} at head size {head_size}"
+        softcap, window = match.attr(node, "softcap", 0.0), match.attr(node, "local_window_size", -1)
+        if not softcap >= 0.0:
+            return f"softcap={softcap} is negative"
+        if window == 0 or window < -1:
+            return f"local_window_size={window} is neither positive nor -1 (off)"
         return None
 
 
@@ -89,6 +99,8 @@ def _rewrite(graph: ir.Graph, namer: Namer, m: Match) -> None:
     scale = match.attr(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
     attrs = {"num_heads": match.attr(node, "num_heads"), "kv_num_heads": match.attr(node, "kv_num_heads"),
              "scale": float(scale)}
+    attrs.update({name: match.attr(node, name) for name, off in CARRIED.items()
+                  if match.attr(node, name, off) != off})
     new = ir.Node(DOMAIN, "GroupQueryAttention", [ins[k] for k in KEPT], to_attrs(attrs), num_outputs=3,
                   name=namer(f"{node.name or 'gqa'}_es"))
     graph.insert_before(node, new)

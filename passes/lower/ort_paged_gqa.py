@@ -36,8 +36,9 @@ Interface after the pass (io_names; build.json kv_layout.io = PAGED_GQA_IO):
 seqlens_k and total_sequence_length leave the graph. The page size and capacity are recorded in the
 graph's kv_layout metadata. Page sizes and the most columns per step (S) are the paged-attention
 kernels' limits (plugins/limits.json: 16/32/64, S <= 16): the runtime feeds prompts in chunks. Every attention layer must be enginesmith's op: a com.microsoft one that
-ort_attention could not take (bf16, head size not 64/128, ...) is refused with its reason, since the
-paged CUDA engine has no other paged attention. Not checked by the pass manager (it cannot feed the
+ort_attention could not take (bf16, ...) is refused with its reason, since the paged CUDA engine has no
+other paged attention; so is an enginesmith one the paged op cannot take (soft-capping, a sliding
+window, a head size outside plugins/limits.json's). Not checked by the pass manager (it cannot feed the
 new interface): tests/passes/test_paged_gqa.py compares the logits with the dense graph's.
 """
 
@@ -117,6 +118,12 @@ class SharedBufferGQA(Rule):
         cos = match.constant(ins["cos"])
         if cos is None or len(cos.shape) != 2 or 2 * cos.shape[1] != ins["past_k"].shape[3]:
             return "the cos cache is not a constant [positions, D / 2] table"
+        head_sizes = kernel_limits()["paged_attention"]["head_sizes"]
+        if ins["past_k"].shape[3] not in head_sizes:
+            return f"head size {ins['past_k'].shape[3]} is not one the paged attention op takes ({head_sizes})"
+        for name, off, what in (("softcap", 0.0, "soft-capping"), ("local_window_size", -1, "sliding window")):
+            if match.attr(node, name, off) != off:
+                return f"{name}={match.attr(node, name)}: the paged attention op has no {what}"
         return None
 
 

@@ -6,6 +6,8 @@
 //   scores: lane l takes key l of the tile, its whole K row (16-byte loads), against all R rows of q;
 //   online softmax per row (running max m and sum l, exp2 domain: q carries scale * log2(e));
 //   P·V: lane l owns D/32 output dims; each key's probability comes from its lane by a shuffle.
+// Head size 256 reads the K row in chunks of 32 dims of each half (64 and 128: the whole row at once).
+// With a window, the block's key range starts at the window of its first query token.
 // The warps merge (m, l, O) in shared memory; then the output (one used split) or the partial + the
 // last-block merge (see attention.h).
 #include "attention.h"
@@ -24,7 +26,12 @@ namespace {
 constexpr int kKeyTile = 32;  // keys a warp scores at once (one per lane)
 // Warps per block: as many as shared memory (their outputs, R x D floats each) and registers allow,
 // so a few hundred keys take one tile per warp (the kernel is latency-bound at decode sizes).
-__host__ __device__ constexpr int warps_for(int D, int R) { return D == 64 && R == 4 ? 16 : D == 128 && R == 16 ? 4 : 8; }
+// Head size 256: R <= 8 (R x D floats per warp) with 8 warps at R = 4, 4 at R = 8.
+__host__ __device__ constexpr int warps_for(int D, int R) {
+  return D == 64 && R == 4 ? 16 : D == 128 && R == 16 ? 4 : D == 256 && R == 8 ? 4 : 8;
+}
+// Most query rows a block holds at head size D.
+__host__ __device__ constexpr int max_rows(int D) { return D == 256 ? 8 : 16; }
 // At least a tile per warp in a split.
 __host__ __device__ constexpr int min_keys_per_split(int D, int R) { return warps_for(D, R) * kKeyTile; }
 constexpr int kMaxSplits = 64;
@@ -50,18 +57,27 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// A lane's DL dims of one V row: 8-byte loads up to head size 128, 16-byte at 256.
+template <int DL> struct VLoad { using type = uint2; };
+template <> struct VLoad<8> { using type = uint4; };
+
 struct Row {  // where a (row, token) of the problem lives
   const __half* token0;  // qkv of the row's first new token
   int stride;            // qkv elements per token
   size_t cache0;         // k/v cache offset of (row, KV head g, position 0)
 };
 
-template <int D, int R, int kWarps = warps_for(D, R), int kThreads = kWarps * 32>
+// kCap: soft-capped scores (p.softcap); kWindow: a sliding window (p.window). Both off: the plain kernel.
+template <int D, int R, bool kCap, bool kWindow, int kWarps = warps_for(D, R), int kThreads = kWarps * 32>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p, int tile_tokens, int tiles,
                                                              int splits, float* partials, int32_t* counters) {
   constexpr int DL = D / 32;  // output dims per lane
   constexpr int HALF = D / 2;
-  constexpr int VG = kWarps == 16 || D == 128 ? (R <= 8 ? 16 : 8) : kKeyTile;  // V rows loaded ahead, as registers allow
+  constexpr int KC = D <= 128 ? HALF : 32;  // dims of each half of the K row a lane holds at once
+  // V rows loaded ahead, as registers allow
+  constexpr int VG = D == 256 ? (R <= 4 ? 8 : 4) : kWarps == 16 || D == 128 ? (R <= 8 ? 16 : 8) : kKeyTile;
+  using VVec = typename VLoad<DL>::type;
+  static_assert(R <= max_rows(D), "the warps' outputs fit in shared memory");
   __shared__ float q_s[R][D];  // rotated q (fp16 values) times scale * log2(e); rows >= `rows` are 0
   __shared__ float m_s[kWarps][R], l_s[kWarps][R];
   __shared__ float o_s[kWarps][R][D];  // the warps' outputs; then (last block) the splits' weights
@@ -86,18 +102,24 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
       for (int i = threadIdx.x; i < rows * D; i += kThreads) out_at(i / D, i % D) = __float2half(NAN);
     return;
   }
-  // This split's keys: [lo, hi) of the tile's causal range [0, past + s0 + qn).
+  // This split's keys: [lo, hi) of the tile's range [first, past + s0 + qn): causal, and with a window
+  // from the first key its first query token sees.
   const int keys = past + s0 + qn;
+  const int first = kWindow ? max(0, past + s0 - p.window + 1) : 0;
+  const int span = keys - first;
   const int per_split =
-      max(min_keys_per_split(D, R), (keys + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
-  const int used = (keys + per_split - 1) / per_split;
-  const int lo = split * per_split, hi = min(keys, lo + per_split);
+      max(min_keys_per_split(D, R), (span + splits - 1) / splits + kKeyTile - 1) / kKeyTile * kKeyTile;
+  const int used = (span + per_split - 1) / per_split;
+  const int lo = first + split * per_split, hi = min(keys, lo + per_split);
   if (split >= used) return;  // keys enough for fewer splits: nothing to do, no counter to bump
   const bool merged = used > 1;  // else split 0 writes the output itself
 
   // q rotated into shared memory; the split-0 block also writes the tile's new keys (rotated) and
   // values into the cache. All loads of an iteration are issued before any is used.
-  const float q_scale = p.scale * kLog2e;
+  // q carries scale * log2(e) (scores in the exp2 domain); soft-capping needs the plain scaled score
+  // first, so then q carries the scale alone and the cap multiplies by log2(e).
+  const float q_scale = kCap ? p.scale : p.scale * kLog2e;
+  const float cap_inv = kCap ? 1.f / p.softcap : 0.f, cap_log2e = kCap ? p.softcap * kLog2e : 0.f;
   for (int i = threadIdx.x; i < R * HALF; i += kThreads) {
     const int r = i / HALF, d = i % HALF;         // q: row r (token r / G of the tile, head r % G)
     const bool q_row = r < rows, kv_row = split == 0 && i < qn * HALF;  // k, v: token i / HALF
@@ -146,32 +168,37 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
     return j >= past ? row.token0 + size_t(j - past) * row.stride + (p.H + p.Hkv + g) * D
                      : p.v_cache + row.cache0 + size_t(j) * D;
   };
-  auto load_v = [&](int t0, int k0, uint2 (&v)[VG]) {  // lane's DL dims of keys t0 + k0 .. + VG - 1
+  auto load_v = [&](int t0, int k0, VVec (&v)[VG]) {  // lane's DL dims of keys t0 + k0 .. + VG - 1
 #pragma unroll
     for (int u = 0; u < VG; ++u) {
       const int key = t0 + k0 + u;
-      v[u] = make_uint2(0, 0);
+      v[u] = VVec{};
       if (key < hi) {
         const __half* vr = v_row(key) + lane * DL;
         if constexpr (DL == 2) v[u].x = *reinterpret_cast<const uint32_t*>(vr);
-        else v[u] = *reinterpret_cast<const uint2*>(vr);
+        else v[u] = *reinterpret_cast<const VVec*>(vr);
       }
+    }
+  };
+  // lane's K row (key j), dims c0 .. c0 + KC - 1 of each half: kv[0, KC/8) then kv[KC/8, KC/4)
+  auto load_k = [&](int j, int c0, uint4 (&kv)[KC / 4]) {
+    if (j < hi) {
+      const __half* k = k_row(j);
+#pragma unroll
+      for (int c = 0; c < KC / 4; ++c)
+        kv[c] = *reinterpret_cast<const uint4*>(k + (c < KC / 8 ? c0 : HALF + c0 - KC) + c * 8);
+    } else {
+#pragma unroll
+      for (int c = 0; c < KC / 4; ++c) kv[c] = make_uint4(0, 0, 0, 0);
     }
   };
 
   for (int t0 = lo + warp * kKeyTile; t0 < hi; t0 += kWarps * kKeyTile) {
     const int j = t0 + lane;
-    // issue the tile's K row (lane j) and V loads first: one memory latency per tile
-    uint4 kv[D / 8];
-    if (j < hi) {
-      const __half* k = k_row(j);
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) kv[c] = *reinterpret_cast<const uint4*>(k + c * 8);
-    } else {
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) kv[c] = make_uint4(0, 0, 0, 0);
-    }
-    uint2 v[VG];
+    // issue the tile's K row (lane j; its first chunk) and V loads first: one memory latency per tile
+    uint4 kv[KC / 4];
+    load_k(j, 0, kv);
+    VVec v[VG];
     load_v(t0, 0, v);
     float sc[R][2];  // two chains per row (halves of the head)
 #pragma unroll
@@ -179,9 +206,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
     const bool fresh = j < hi && j >= past;
 #pragma unroll
     for (int c = 0; c < HALF; c += 8) {
+      if (c % KC == 0 && c > 0) load_k(j, c, kv);  // head size 256: the next chunk
       float x1[8], x2[8];
-      to_floats(kv[c / 8], x1);
-      to_floats(kv[(c + HALF) / 8], x2);
+      to_floats(kv[(c % KC) / 8], x1);
+      to_floats(kv[(c % KC + KC) / 8], x2);
       if (fresh) {  // rotated as the cache write does
         float cs[8], sn[8];
         to_floats(*reinterpret_cast<const uint4*>(p.cos + size_t(j) * HALF + c), cs);
@@ -200,8 +228,9 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
     float pr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const bool valid = j < hi && r < rows && j <= past + s0 + r / G;
-      const float score = sc[r][0] + sc[r][1];
+      const bool valid = j < hi && r < rows && j <= past + s0 + r / G && (!kWindow || j > past + s0 + r / G - p.window);
+      float score = sc[r][0] + sc[r][1];
+      if constexpr (kCap) score = cap_log2e * tanhf(score * cap_inv);
       const float mt = warp_max(valid ? score : -INFINITY);
       const float m_new = fmaxf(m[r], mt);
       const float corr = m_new == -INFINITY ? 1.f : exp2f(m[r] - m_new);
@@ -308,21 +337,33 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
   if (threadIdx.x == 0) counters[triple] = 0;
 }
 
-template <int D, int R>
+template <int D, int R, bool kCap, bool kWindow>
 cudaError_t launch_dr(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                       cudaStream_t stream) {
   const dim3 grid(plan.splits, p.Hkv, p.B * plan.tiles);
-  return launch_kernel(attention_kernel<D, R>, grid, 32 * warps_for(D, R), 0, stream, plan.dependent, p, plan.tile_tokens,
-                       plan.tiles, plan.splits, partials, counters);
+  return launch_kernel(attention_kernel<D, R, kCap, kWindow>, grid, 32 * warps_for(D, R), 0, stream, plan.dependent, p,
+                       plan.tile_tokens, plan.tiles, plan.splits, partials, counters);
 }
 
-template <int D>
+template <int D, bool kCap, bool kWindow>
 cudaError_t launch_d(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                      cudaStream_t stream) {
   switch (plan.rows_max) {
-    case 4: return launch_dr<D, 4>(p, plan, partials, counters, stream);
-    case 8: return launch_dr<D, 8>(p, plan, partials, counters, stream);
-    default: return launch_dr<D, 16>(p, plan, partials, counters, stream);
+    case 4: return launch_dr<D, 4, kCap, kWindow>(p, plan, partials, counters, stream);
+    case 8: return launch_dr<D, 8, kCap, kWindow>(p, plan, partials, counters, stream);
+    default:
+      if constexpr (max_rows(D) >= 16) return launch_dr<D, 16, kCap, kWindow>(p, plan, partials, counters, stream);
+      return cudaErrorInvalidValue;  // attention_plan never asks for it (attention_check: at most 8 per KV head)
+  }
+}
+
+template <bool kCap, bool kWindow>
+cudaError_t launch_options(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
+                           cudaStream_t stream) {
+  switch (p.D) {
+    case 64: return launch_d<64, kCap, kWindow>(p, plan, partials, counters, stream);
+    case 128: return launch_d<128, kCap, kWindow>(p, plan, partials, counters, stream);
+    default: return launch_d<256, kCap, kWindow>(p, plan, partials, counters, stream);
   }
 }
 
@@ -330,9 +371,12 @@ cudaError_t launch_d(const AttentionProblem& p, const AttentionPlan& plan, float
 
 const char* attention_check(const AttentionProblem& p) {
   if (p.B <= 0 || p.S <= 0 || p.H <= 0 || p.Hkv <= 0 || p.C <= 0 || p.P <= 0) return "empty or negative dimension";
-  if (p.D != 64 && p.D != 128) return "head size must be 64 or 128";
+  if (p.D != 64 && p.D != 128 && p.D != 256) return "head size must be 64, 128 or 256";
   if (p.H % p.Hkv != 0) return "num_heads must be a multiple of kv_num_heads";
   if (p.H / p.Hkv > 16) return "at most 16 query heads per KV head";
+  if (p.D == 256 && p.H / p.Hkv > max_rows(256)) return "at most 8 query heads per KV head at head size 256";
+  if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap)) return "softcap must be >= 0 (0: off)";
+  if (p.window == 0 || p.window < -1) return "local_window_size must be positive, or -1 (off)";
   if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return "scale must be positive";
   if (p.max_total < 1 || p.max_total > p.C) return "total_sequence_length must be in [1, the cache capacity]";
   for (const void* ptr : {static_cast<const void*>(p.qkv), static_cast<const void*>(p.k_cache),
@@ -354,7 +398,9 @@ AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
   const long triples = long(p.B) * plan.tiles * p.Hkv;
   if (triples < sms) {  // too few blocks to fill the GPU: split the keys
     const int min_keys = min_keys_per_split(p.D, plan.rows_max);
-    const int by_keys = (p.max_total + min_keys - 1) / min_keys;
+    // a block reads at most its tile's window of keys
+    const int keys = p.window > 0 ? std::min(p.max_total, p.window + plan.tile_tokens - 1) : p.max_total;
+    const int by_keys = (keys + min_keys - 1) / min_keys;
     const int by_gpu = int((2L * sms + triples - 1) / triples);
     plan.splits = std::max(1, std::min({kMaxSplits, by_keys, by_gpu}));
   }
@@ -367,8 +413,11 @@ AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
 
 cudaError_t attention_launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials,
                              int32_t* counters, cudaStream_t stream) {
-  return p.D == 64 ? launch_d<64>(p, plan, partials, counters, stream)
-                   : launch_d<128>(p, plan, partials, counters, stream);
+  const bool cap = p.softcap > 0.f, window = p.window > 0;
+  if (cap && window) return launch_options<true, true>(p, plan, partials, counters, stream);
+  if (cap) return launch_options<true, false>(p, plan, partials, counters, stream);
+  if (window) return launch_options<false, true>(p, plan, partials, counters, stream);
+  return launch_options<false, false>(p, plan, partials, counters, stream);
 }
 
 void attention_reference(const AttentionProblem& p) {
@@ -408,19 +457,22 @@ void attention_reference(const AttentionProblem& p) {
           rotate(f(qh[d]), f(qh[d + HALF]), f(p.cos[size_t(pos) * HALF + d]), f(p.sin[size_t(pos) * HALF + d]), q[d],
                  q[d + HALF]);
         const size_t c0 = (size_t(b) * p.Hkv + g) * p.C * D;
-        score.assign(pos + 1, 0.f);
+        const int first = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;  // keys first .. pos
+        score.assign(pos + 1 - first, 0.f);
         float mx = -INFINITY;
-        for (int j = 0; j <= pos; ++j) {
+        for (int j = first; j <= pos; ++j) {
           float dot = 0.f;
           for (int d = 0; d < D; ++d) dot += q[d] * f(p.k_cache[c0 + size_t(j) * D + d]);
-          score[j] = dot * p.scale;
-          mx = std::max(mx, score[j]);
+          float sj = dot * p.scale;
+          if (p.softcap > 0.f) sj = p.softcap * std::tanh(sj / p.softcap);
+          score[j - first] = sj;
+          mx = std::max(mx, sj);
         }
         float sum = 0.f;
         for (float& sj : score) sum += (sj = std::exp(sj - mx));
         for (int d = 0; d < D; ++d) {
           float acc = 0.f;
-          for (int j = 0; j <= pos; ++j) acc += score[j] * f(p.v_cache[c0 + size_t(j) * D + d]);
+          for (int j = first; j <= pos; ++j) acc += score[j - first] * f(p.v_cache[c0 + size_t(j) * D + d]);
           out[(size_t(s) * p.H + h) * D + d] = __float2half_rn(acc / sum);
         }
       }

@@ -16,6 +16,19 @@
 // attends causally to positions 0 .. past + s. q and k are rotated at their positions, rounded to fp16
 // (what goes into the cache), scores and softmax are fp32, the output is rounded once.
 //
+// Options of com.microsoft.GroupQueryAttention (ORT >= 1.23 semantics, checked against ORT 1.32 CPU):
+//   softcap > 0           score = softcap * tanh(scale q.k / softcap), before the mask and softmax
+//                         (Gemma 2's attn_logit_softcapping)
+//   local_window_size W   a query at position p attends keys p - W + 1 .. p (W keys, itself included:
+//                         transformers' sliding_window, q - k < W); -1: off
+// Each option is a template flag of the kernel: without them the kernels compile to what they were.
+// A window also narrows each block's key range to the window of its query tile, so key tiles wholly
+// before it are never read.
+//
+// Head sizes 64, 128 and 256 (Gemma). At 256 a block holds at most 8 query rows (shared memory: the
+// warps' R x D outputs), so at most 8 query heads per KV head, and each warp's K row is read in
+// 32-dim chunks (registers).
+//
 // Rows whose seqlens are out of range (past < 0, or past + S beyond C or P) get NaN outputs and leave
 // the cache untouched (never a plausible wrong number).
 //
@@ -49,6 +62,8 @@ struct AttentionProblem {
   int B = 0, S = 0, H = 0, Hkv = 0, D = 0, C = 0, P = 0;
   float scale = 0.f;
   int max_total = 0;  // host-side bound of seqlens[b] + 1 (total_sequence_length): sizes the splits
+  float softcap = 0.f;  // > 0: scores soft-capped (see above); 0: off
+  int window = -1;      // local_window_size: > 0 keys a query sees, itself included; -1: all (causal)
 };
 
 // What the CUDA launch needs besides the problem: its grid, and workspace sizes for splits > 1.

@@ -12,9 +12,11 @@
 // (inputs as com.microsoft.SkipSimplifiedLayerNormalization's, outputs y and the residual sum),
 // and the attention of the decoder (see attention.h):
 //   GroupQueryAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
-//                       sin_cache; num_heads, kv_num_heads, scale) -> output, present_key, present_value
+//                       sin_cache; num_heads, kv_num_heads, scale, softcap = 0, local_window_size = -1)
+//                       -> output, present_key, present_value
 // (com.microsoft.GroupQueryAttention's inputs without the unused key/value, packed QKV, rotary always
-// on, past and present one buffer: with another present buffer, past is copied into it first),
+// on, past and present one buffer: with another present buffer, past is copied into it first; softcap
+// and local_window_size as com.microsoft's, optional),
 // and its paged twin for the in-flight-batching engine (see paged_gqa.h):
 //   PagedGroupQueryAttention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping,
 //                            cos_cache, sin_cache; num_heads, kv_num_heads, scale)
@@ -115,6 +117,8 @@ struct Kernel {
   // until the kernel goes: a CUDA graph captured earlier (another step shape) still launches on it.
   int64_t heads = 0, kv_heads = 0;
   float scale = 0.f;
+  float softcap = 0.f;   // GroupQueryAttention's optional attributes: 0 = off
+  int64_t window = -1;   // local_window_size: -1 = off
   int sms = 0;
   bool dependent = false;
   void* workspace = nullptr;
@@ -345,6 +349,8 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   p.H = int(k.heads);
   p.Hkv = int(k.kv_heads);
   p.scale = k.scale;
+  p.softcap = k.softcap;
+  p.window = int(k.window);
   if (qkv.type != kFloat16 || qkv.dims.size() != 3 || qkv.dims[2] % (p.H + 2 * p.Hkv) != 0)
     return error(op + ": qkv must be float16 [B, S, (num_heads + 2 kv_num_heads) * head_size]");
   p.B = int(qkv.dims[0]);
@@ -571,6 +577,24 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
 // ---- OrtCustomOp callbacks.
 const OpDef& def_of(const CustomOp* op) { return *reinterpret_cast<const OpDef*>(op); }
 
+// GroupQueryAttention's softcap and local_window_size: absent means off; present, they are checked.
+OrtStatus* optional_attributes(const OrtKernelInfo* info, Kernel* kernel) {
+  if (OrtStatus* s = g_api->KernelInfoGetAttributeFloat(info, "softcap", &kernel->softcap)) {
+    g_api->ReleaseStatus(s);
+    kernel->softcap = 0.f;
+  }
+  if (OrtStatus* s = g_api->KernelInfoGetAttributeInt64(info, "local_window_size", &kernel->window)) {
+    g_api->ReleaseStatus(s);
+    kernel->window = -1;
+  }
+  const std::string& name = kernel->def->name;
+  if (!(kernel->softcap >= 0.f) || !std::isfinite(kernel->softcap))
+    return error(name + ": softcap must be >= 0 (0: off), got " + std::to_string(kernel->softcap));
+  if (kernel->window == 0 || kernel->window < -1 || kernel->window > INT32_MAX)
+    return error(name + ": local_window_size must be positive, or -1 (off), got " + std::to_string(kernel->window));
+  return nullptr;
+}
+
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
   const OpDef& d = def_of(op);
   if (d.cuda && !d.attention && !d.paged) {  // the GEMVs' launch setting and cuBLAS: at session start, not in a capture
@@ -590,6 +614,7 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     if (!s && (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads != 0))
       s = error(d.name + ": num_heads must be a positive multiple of kv_num_heads");
     if (!s && d.attention && !(kernel->scale > 0.f)) s = error(d.name + ": scale must be positive");
+    if (!s && d.attention) s = optional_attributes(info, kernel);
     if (!s && d.paged && !(kernel->scale >= 0.f && std::isfinite(kernel->scale)))
       s = error(d.name + ": scale must be positive, or 0 for 1 / sqrt(head_size)");
     if (!s && d.cuda) {

@@ -1,9 +1,13 @@
 """com.enginesmith.GroupQueryAttention (plugins/ort_ops/attention.h) and the ort_attention pass.
 
 CPU (here and in CI): the op's CPU kernel against ONNX Runtime's own com.microsoft.GroupQueryAttention
-(the oracle: the op claims its semantics) on the same inputs, output and present KV; bad inputs.
+(the oracle: the op claims its semantics) on the same inputs, output and present KV, and against the
+numpy reference (plugins/reference.py), plain and with softcap, local_window_size and head size 256;
+bad inputs and attributes.
 GPU (marked gpu): the CUDA kernel against the CPU kernel, decode (split keys, the last-block merge,
-repeated calls) and prefill shapes, on ORT's stream and a user stream; the cache updated in place.
+repeated calls) and prefill shapes, on ORT's stream and a user stream; the cache updated in place;
+softcap, windows (long pasts: key tiles before the window skipped, splits over the window) and head
+size 256 against the numpy reference.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto as T  # noqa: E402
 from onnx import helper  # noqa: E402
 
+from plugin_modules import reference  # noqa: E402
 from test_ort_ops import _session, gpu  # noqa: E402
 
 INPUTS = ["qkv", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"]
 
 
-def _model(ours: bool, h: int, hkv: int, d: int, scale: float):
-    attrs = dict(num_heads=h, kv_num_heads=hkv, scale=scale)
+def _model(ours: bool, h: int, hkv: int, d: int, scale: float, **options):
+    """One GroupQueryAttention node; `options`: softcap, local_window_size (left out when not given)."""
+    attrs = dict(num_heads=h, kv_num_heads=hkv, scale=scale, **options)
     if ours:
         node = helper.make_node("GroupQueryAttention", INPUTS, ["out", "present_key", "present_value"],
                                 domain="com.enginesmith", **attrs)
@@ -111,7 +117,7 @@ def test_rows_out_of_range_give_nan_not_numbers(ops_lib):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(d=96), "head size must be 64 or 128"),
+    (dict(d=96), "head size must be 64, 128 or 256"),
     (dict(total=99), "total_sequence_length must be in"),
     (dict(cos_rows=None), "cos_cache and sin_cache must be float16"),
 ])
@@ -130,6 +136,113 @@ def test_bad_inputs_are_named(ops_lib, change, message):
 def test_heads_not_a_multiple_fail_at_session_creation(ops_lib):
     with pytest.raises(Exception, match="num_heads must be a positive multiple of kv_num_heads"):
         _session(_model(True, 6, 4, 64, 0.125), ops_lib)
+
+
+def _pass_model(h=8, hkv=2, d=64, **attrs):
+    """One com.microsoft.GroupQueryAttention as lower_gqa leaves it (rotary tables as constants), with
+    `attrs` set on the node, as an onnx_ir model for the pass."""
+    import onnx_ir as ir
+    from onnx import numpy_helper
+
+    proto = _model(False, h, hkv, d, 0.125)
+    node = proto.graph.node[0]
+    node.name = "gqa"
+    kept = [a for a in node.attribute if a.name not in attrs]
+    del node.attribute[:]
+    node.attribute.extend(kept + [helper.make_attribute(name, value) for name, value in attrs.items()])
+    table = np.zeros((32, d // 2), np.float16)  # the rotary tables as constants, as the exporter has them
+    for name in ("cos_cache", "sin_cache"):
+        proto.graph.input.remove(next(i for i in proto.graph.input if i.name == name))
+        proto.graph.initializer.append(numpy_helper.from_array(table, name))
+    for i in proto.graph.input:
+        if i.name == "qkv":
+            i.type.tensor_type.elem_type = T.FLOAT16
+    return ir.from_proto(proto)
+
+
+# ----------------------------------------------------------------------------- softcap, windows, D = 256
+# (B, S, H, Hkv, D, capacity, pasts, softcap, local_window_size): decode and prompts (with and without
+# a past), rows of different lengths, windows shorter and longer than the context, a window of one,
+# Gemma's head size 256 alone and with both options. A softcap of 2 bends the tiny models' scores
+# enough to show (Gemma 2's 50 barely would).
+OPTION_CASES = [
+    (2, 1, 8, 2, 64, 64, [5, 30], 2.0, -1),
+    (2, 1, 8, 2, 64, 64, [5, 30], 0.0, 8),
+    (1, 12, 4, 2, 64, 32, [0], 0.0, 4),
+    (1, 5, 4, 2, 128, 48, [20], 2.0, 8),
+    (1, 2, 4, 4, 64, 32, [3], 0.0, 100),
+    (1, 4, 4, 2, 64, 16, [2], 0.0, 1),
+    (1, 1, 8, 4, 256, 32, [10], 0.0, -1),
+    (1, 6, 8, 4, 256, 32, [9], 2.0, 8),
+    (1, 3, 8, 1, 256, 24, [12], 0.0, -1),
+    (2, 1, 16, 2, 256, 24, [4, 12], 2.0, 8),
+]
+
+
+def _options(softcap, window):
+    return {k: v for k, v in (("softcap", softcap), ("local_window_size", window)) if v not in (0.0, -1)}
+
+
+def _reference(feeds, h, hkv, d, softcap=0.0, window=-1):
+    return reference.group_query_attention(
+        feeds["qkv"], feeds["past_key"], feeds["past_value"], feeds["seqlens_k"], feeds["cos_cache"],
+        feeds["sin_cache"], h, hkv, 1.0 / np.sqrt(d), softcap=softcap, local_window_size=window)
+
+
+@pytest.mark.parametrize("b,s,h,hkv,d,cap,pasts,softcap,window", OPTION_CASES)
+def test_cpu_kernel_options_match_ort_and_numpy(ops_lib, b, s, h, hkv, d, cap, pasts, softcap, window):
+    """softcap / local_window_size / head size 256: the CPU kernel against com.microsoft's (the oracle of
+    the semantics, ORT 1.23+ windows) and against plugins/reference.py; each option changes the output."""
+    rng = np.random.default_rng(b * 100 + s * 10 + d)
+    feeds = _feeds(rng, b, s, h, hkv, d, cap, pasts)
+    scale, options = 1.0 / np.sqrt(d), _options(softcap, window)
+    want = ort.InferenceSession(_model(False, h, hkv, d, scale, **options).SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = _session(_model(True, h, hkv, d, scale, **options), ops_lib).run(None, feeds)
+    _compare(got, want, feeds["seqlens_k"] + 1)
+    ref = _reference(feeds, h, hkv, d, softcap, window)
+    _compare(got, ref, feeds["seqlens_k"] + 1)
+    if options and not (window >= max(pasts) + s):  # the option bites: without it the output differs
+        plain = _reference(feeds, h, hkv, d)[0].astype(np.float32)
+        assert np.abs(plain - got[0].astype(np.float32)).max() > 1e-2
+
+
+def test_numpy_reference_window_is_transformers_sliding_window():
+    """reference.attention_mask: W keys, itself included (transformers' `q - k < sliding_window`)."""
+    seen = reference.attention_mask(np.arange(6), np.arange(6), window=3)
+    assert seen.sum(1).tolist() == [1, 2, 3, 3, 3, 3]
+    assert seen[5].tolist() == [False, False, False, True, True, True]
+    assert (reference.attention_mask(np.arange(6), np.arange(6)) == np.tril(np.ones((6, 6), bool))).all()
+
+
+def test_keys_before_the_window_are_never_read(ops_lib):
+    """Cache positions before a decode step's window hold NaN: the output stays finite and equal to the
+    run on the clean cache (the kernel never reads them; CPU kernel here, CUDA below)."""
+    rng = np.random.default_rng(4)
+    h, hkv, d, cap, past, window = 8, 2, 64, 64, 40, 8
+    feeds = _feeds(rng, 1, 1, h, hkv, d, cap, [past])
+    model = _model(True, h, hkv, d, 0.125, local_window_size=window)
+    want = _session(model, ops_lib).run(None, feeds)[0]
+    for name in ("past_key", "past_value"):
+        feeds[name][:, :, : past + 1 - window] = np.nan
+    got = _session(model, ops_lib).run(None, feeds)[0]
+    assert np.isfinite(got).all() and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("attrs,message", [
+    (dict(softcap=-1.0), "softcap must be >= 0"),
+    (dict(local_window_size=0), "local_window_size must be positive, or -1"),
+    (dict(local_window_size=-2), "local_window_size must be positive, or -1"),
+])
+def test_bad_options_fail_at_session_creation(ops_lib, attrs, message):
+    with pytest.raises(Exception, match=message):
+        _session(_model(True, 4, 2, 64, 0.125, **attrs), ops_lib)
+
+
+def test_head_size_256_takes_at_most_8_query_heads_per_kv_head(ops_lib):
+    feeds = _feeds(np.random.default_rng(0), 1, 1, 16, 1, 256, 16, [3])
+    with pytest.raises(Exception, match="at most 8 query heads per KV head at head size 256"):
+        _session(_model(True, 16, 1, 256, 0.0625), ops_lib).run(None, feeds)
 
 
 # GPU: the CUDA kernel against the CPU kernel. Long pasts split the keys across blocks (merged by the
@@ -253,39 +366,87 @@ def test_cuda_graph_of_one_shape_survives_a_workspace_grown_by_another(ops_lib):
 
 @pytest.mark.parametrize("change,reason", [
     (dict(do_rotary=0), "no fused rotary, or interleaved rotary (the kernel applies half-split rotary)"),
-    (dict(softcap=30.0), "softcap=30.0 is not supported"),
-    (dict(d=96), "head size 96 is not one of (64, 128)"),
-    (dict(h=34, hkv=2), "17 query heads per KV head, over 16"),
+    (dict(smooth_softmax=1), "smooth_softmax=1 is not supported"),
+    (dict(softcap=-1.0), "softcap=-1.0 is negative"),
+    (dict(local_window_size=0), "local_window_size=0 is neither positive nor -1 (off)"),
+    (dict(d=96), "head size 96 is not one of (64, 128, 256)"),
+    (dict(h=34, hkv=2), "17 query heads per KV head, over 16 at head size 64"),
+    (dict(h=16, hkv=1, d=256), "16 query heads per KV head, over 8 at head size 256"),
 ])
 def test_pass_rejects_what_the_kernel_cannot_take_with_the_reason(change, reason):
     """A GroupQueryAttention the kernel does not implement stays com.microsoft's and is reported
     (node, reason); the pass only rewrites the graph here (no library needed)."""
-    import onnx_ir as ir
-    from onnx import numpy_helper
-
     from enginesmith.passes.lower.ort_attention import ort_attention
 
-    def model(h=8, hkv=2, d=64, **attrs):
-        proto = _model(False, h, hkv, d, 0.125)
-        node = proto.graph.node[0]
-        node.name = "gqa"
-        kept = [a for a in node.attribute if a.name not in attrs]
-        del node.attribute[:]
-        node.attribute.extend(kept + [helper.make_attribute(name, value) for name, value in attrs.items()])
-        table = np.zeros((32, d // 2), np.float16)  # the rotary tables as constants, as the exporter has them
-        for name in ("cos_cache", "sin_cache"):
-            proto.graph.input.remove(next(i for i in proto.graph.input if i.name == name))
-            proto.graph.initializer.append(numpy_helper.from_array(table, name))
-        for i in proto.graph.input:
-            if i.name == "qkv":
-                i.type.tensor_type.elem_type = T.FLOAT16
-        return ir.from_proto(proto)
-
-    good = model()
+    good = _pass_model()
     assert ort_attention(good).counts == {"attention": 1}
     assert {n.domain for n in good.graph} == {"com.enginesmith"}
-    bad = model(**change)
+    bad = _pass_model(**change)
     result = ort_attention(bad)
     assert result.counts == {"attention": 0}
     assert [(r.node, r.reason) for r in result.skipped] == [("gqa", reason)]
     assert [(n.domain, n.op_type) for n in bad.graph] == [("com.microsoft", "GroupQueryAttention")]
+
+
+# GPU: softcap, windows and head size 256 against the numpy reference (and the CPU kernel). Long pasts
+# with windows: the blocks start at their window (key tiles before it skipped) and split what is left.
+GPU_OPTION_CASES = OPTION_CASES + [
+    (1, 1, 32, 8, 64, 4096, [3000], 0.0, 512),
+    (1, 1, 32, 8, 128, 8192, [8000], 50.0, 4096),
+    (3, 1, 16, 8, 256, 2048, [1, 700, 2000], 50.0, 128),  # Gemma 2's heads, rows of different lengths
+    (1, 1, 8, 4, 256, 4096, [4000], 0.0, -1),             # head size 256, split keys
+    (1, 1, 8, 1, 256, 512, [300], 2.0, -1),               # 8 query heads per KV head (R = 8)
+    (2, 9, 16, 8, 256, 1024, [100, 900], 50.0, 256),      # speculative verification
+    (1, 130, 8, 4, 256, 256, [0], 50.0, 64),              # a prompt over several tiles
+    (1, 37, 9, 3, 64, 2048, [1000], 0.0, 16),             # a prefill chunk after a past
+    (1, 40, 32, 2, 64, 512, [0], 2.0, 8),                 # 16 query heads per KV head (R = 16)
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,h,hkv,d,cap,pasts,softcap,window", GPU_OPTION_CASES)
+@pytest.mark.parametrize("stream", ["user", "ort"])
+def test_cuda_kernel_options_match_reference(ops_lib, b, s, h, hkv, d, cap, pasts, softcap, window, stream):
+    rng = np.random.default_rng(b * 1000 + s * 10 + d)
+    feeds = _feeds(rng, b, s, h, hkv, d, cap, pasts)
+    model = _model(True, h, hkv, d, 1.0 / np.sqrt(d), **_options(softcap, window))
+    want = _reference(feeds, h, hkv, d, softcap, window)
+    _compare(_session(model, ops_lib).run(None, feeds), want, [cap] * b)
+    cuda = _session(model, ops_lib, cuda=stream)
+    for _ in range(3):  # the split counters must come back to zero after every call
+        _compare(cuda.run(None, feeds), want, [cap] * b)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,past,d", [(1, 3000, 64), (1, 700, 256), (9, 900, 128), (33, 500, 256)])
+def test_cuda_kernel_never_reads_keys_before_the_window(ops_lib, s, past, d):
+    """NaN in every cache position before the first new token's window: the CUDA output stays finite and
+    equal to the run on the clean cache (those key tiles are skipped, not masked)."""
+    h, hkv, cap, window = 8, 4, 4096, 64
+    rng = np.random.default_rng(s + past)
+    feeds = _feeds(rng, 1, s, h, hkv, d, cap, [past])
+    model = _model(True, h, hkv, d, 1.0 / np.sqrt(d), local_window_size=window)
+    cuda = _session(model, ops_lib, cuda="ort")
+    want = cuda.run(None, feeds)[0]
+    for name in ("past_key", "past_value"):
+        feeds[name][:, :, : past + 1 - window] = np.nan
+    got = cuda.run(None, feeds)[0]
+    assert np.isfinite(got).all()
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("attrs,d", [(dict(softcap=50.0), 256), (dict(local_window_size=4096), 64),
+                                     (dict(softcap=50.0, local_window_size=8), 256), (dict(local_window_size=-1), 128)])
+def test_pass_carries_softcap_and_window(attrs, d):
+    """Gemma 2/3 and Mistral layers: softcap and local_window_size go onto the new node as they were
+    (their "off" values are left off); head size 256 is taken."""
+    from enginesmith.passes.lower.ort_attention import ort_attention
+
+    model = _pass_model(h=8, hkv=4, d=d, **attrs)
+    assert ort_attention(model).counts == {"attention": 1}
+    (node,) = list(model.graph)
+    assert (node.domain, node.op_type) == ("com.enginesmith", "GroupQueryAttention")
+    carried = {k: v.value for k, v in node.attributes.items() if k in ("softcap", "local_window_size")}
+    assert carried == {k: v for k, v in attrs.items() if v != -1}

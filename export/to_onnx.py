@@ -54,7 +54,7 @@ def export(model, out_path: Path, dtype: str = "fp32", opset: int = 23, verbose:
         raise UserError(f"opset {opset} is out of range", f"use an opset from 17 to {MAX_OPSET}")
     shape = KVShape.of(model.config)
     tdtype = DTYPES[dtype]
-    wrapper = KVCacheIO(model.to(tdtype)).eval()
+    wrapper = KVCacheIO(_rope_tables_fp32(model.to(tdtype))).eval()
     args = example_inputs(shape, tdtype)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +83,18 @@ def export(model, out_path: Path, dtype: str = "fp32", opset: int = 23, verbose:
     if not data.exists():  # tiny models can end up without external data; keep the layout fixed
         data.write_bytes(b"")
     return out_path
+
+
+def _rope_tables_fp32(model):
+    """RoPE frequency buffers back to fp32 after the model's cast: transformers computes the tables in fp32
+    from them, and LongRoPE (Phi-3) selects between its fp32 long factors and the cast original ones, which
+    torch.export refuses when they differ in type."""
+    for module in model.modules():
+        for name in ("inv_freq", "original_inv_freq", "long_inv_freq"):
+            value = getattr(module, name, None)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+                setattr(module, name, value.float())
+    return model
 
 
 def cast_rms_inputs(graph: ir.Graph) -> int:

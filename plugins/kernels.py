@@ -45,11 +45,14 @@ def build(
     tensorrt_root: str | None = None,
     trt_plugins: bool = True,
     jobs: int = 2,
+    targets: tuple[str, ...] = (),
 ) -> Path:
-    """Configure and build plugins/ with CMake (Ninja if present) into `out_dir`; return it."""
+    """Configure and build plugins/ with CMake (Ninja if present) into `out_dir`; return it. `targets`:
+    only these CMake targets (default: all)."""
     out_dir = Path(out_dir or build_dir())
     try:
-        for cmd in plugin_compile.cmake_commands(out_dir, archs, trt_plugins, tensorrt_root, jobs):
+        configure, build_cmd = plugin_compile.cmake_commands(out_dir, archs, trt_plugins, tensorrt_root, jobs)
+        for cmd in (configure, build_cmd + (["--target", *targets] if targets else [])):
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise KernelError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -9,7 +9,7 @@
 // Head size 256 reads the K row in chunks of 32 dims of each half (64 and 128: the whole row at once).
 // With a window, the block's key range starts at the window of its first query token.
 // The warps merge (m, l, O) in shared memory; then the output (one used split) or the partial + the
-// last-block merge (see attention.h).
+// last-block merge (see attention.h). Prompts go to attention_prefill.cu (tensor cores).
 #include "attention.h"
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_prefill.h"
 #include "launch.cuh"
 #include "rotary.cuh"
 
@@ -388,6 +389,10 @@ const char* attention_check(const AttentionProblem& p) {
 
 AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
   AttentionPlan plan;
+  if (prefill_applies(p)) {
+    plan.prefill = true;
+    return plan;
+  }
   const int G = p.H / p.Hkv;
   // the fewest rows that hold the group; for prompts more (several tokens share each K/V read), as
   // registers allow (head size 128 spills at 16)
@@ -413,6 +418,7 @@ AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
 
 cudaError_t attention_launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials,
                              int32_t* counters, cudaStream_t stream) {
+  if (plan.prefill) return attention_prefill_launch(p, plan.dependent, stream);
   const bool cap = p.softcap > 0.f, window = p.window > 0;
   if (cap && window) return launch_options<true, true>(p, plan, partials, counters, stream);
   if (cap) return launch_options<true, false>(p, plan, partials, counters, stream);

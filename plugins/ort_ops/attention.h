@@ -41,6 +41,10 @@
 // bumps a counter, and the last of the (row, tile, head) merges the splits in split order and resets
 // the counter: one kernel does it all, and the counters stay zero between calls (CUDA-graph replays
 // need no memset).
+//
+// Prompts (S >= kPrefillMinTokens new tokens per row) take the tensor-core path instead
+// (attention_prefill.h: the new K/V appended by one kernel, then FlashAttention-2-style blocks of query
+// rows over double-buffered K/V tiles) when $ES_GQA_PREFILL=1 (opt-in until it has run on a GPU).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -75,6 +79,7 @@ struct AttentionPlan {
   size_t partial_floats = 0;  // workspace floats (splits > 1)
   size_t counters = 0;        // workspace int32 counters (splits > 1)
   bool dependent = false;     // a programmatic dependent launch (launch.cuh)
+  bool prefill = false;       // the tensor-core prompt path (attention_prefill.h): no splits, no workspace
 };
 
 // Empty string when the problem is valid, else what is wrong.

@@ -106,11 +106,32 @@ def write_kv(key, value, slot_mapping, k_cache, v_cache) -> None:
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
 
 
+def kv_encode(x, scale, dtype):
+    """Codes of values x [..., Hkv, D] under channel scales [Hkv, D] (plugins/paged_attention/kv_quant.h):
+    dtype int8: clip(rint(x / scale), -127, 127); uint8: the fp8 e4m3 bytes of x / scale, rounded to
+    nearest even and saturated to +-448. x / scale in float32 (IEEE), as the kernels compute it."""
+    v = np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+    if np.dtype(dtype) == np.int8:
+        return np.clip(np.rint(v), -127, 127).astype(np.int8)
+    return torch.from_numpy(np.ascontiguousarray(v)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def kv_decode(codes, scale):
+    """Values (float32) of codes [..., Hkv, D] (int8, or uint8 fp8 e4m3 bytes) under scales [Hkv, D]."""
+    if codes.dtype == np.int8:
+        wide = codes.astype(np.float32)
+    else:
+        wide = torch.from_numpy(np.ascontiguousarray(codes)).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    return wide * np.asarray(scale, np.float32)
+
+
 def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping, cos_cache,
-                                sin_cache, num_heads: int, kv_num_heads: int, scale: float = 0.0):
+                                sin_cache, num_heads: int, kv_num_heads: int, scale: float = 0.0, kv_scale=None):
     """numpy reference of com.enginesmith.PagedGroupQueryAttention (plugins/ort_ops/paged_gqa.h).
 
-    qkv [B, S, (H + 2 Hkv) D] fp16; key_pool/value_pool [NB, BS, Hkv, D] fp16; block_tables [B, MB],
+    qkv [B, S, (H + 2 Hkv) D] fp16; key_pool/value_pool [NB, BS, Hkv, D] fp16, or int8 / uint8 (fp8
+    e4m3) codes with kv_scale [2, Hkv, D] float32 (K's, V's channel scales: kv_encode on the write,
+    kv_decode on the read, so a column attends to the decoded values of its own new K/V too); block_tables [B, MB],
     context_lens [B], slot_mapping [B, S] int32 (-1: a padding column); cos_cache/sin_cache [P, D/2]
     fp16. Column s of row b sits at p = context_lens[b] - S + s; q and k are rotated there (half-split,
     rounded to fp16), the new K/V go to their slots, and the column attends to positions 0..p (fp32).
@@ -128,6 +149,11 @@ def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context
     scale = np.float32(scale or 1.0 / math.sqrt(D))
     k_pool, v_pool = key_pool.copy(), value_pool.copy()
     k_slots, v_slots = k_pool.reshape(NB * BS, Hkv, D), v_pool.reshape(NB * BS, Hkv, D)  # views
+    quantized = key_pool.dtype != np.float16
+    if quantized:
+        assert kv_scale is not None and kv_scale.shape == (2, Hkv, D), "quantized pools need kv_scale [2, Hkv, D]"
+    store = (lambda x, which: kv_encode(x, kv_scale[which], key_pool.dtype)) if quantized else (lambda x, which: x)
+    load = (lambda c, which: kv_decode(c, kv_scale[which])) if quantized else (lambda c, which: c.astype(np.float32))
     heads = qkv.reshape(B, S, H + 2 * Hkv, D)
     out = np.zeros((B, S, H, D), np.float16)
 
@@ -146,16 +172,16 @@ def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context
             continue
         mine = table[pos // BS] * BS + pos % BS
         good = real & (slots >= 0) & (slots < NB * BS) & (slots == mine)
-        k_slots[slots[good]] = rotate(heads[b, good, H:H + Hkv], pos[good])
-        v_slots[slots[good]] = heads[b, good, H + Hkv:]
+        k_slots[slots[good]] = store(rotate(heads[b, good, H:H + Hkv], pos[good]), 0)
+        v_slots[slots[good]] = store(heads[b, good, H + Hkv:], 1)
         pages = table[: (ctx + BS - 1) // BS]
         if (real & ~good).any() or ((pages < 0) | (pages >= NB)).any():
             out[b] = np.nan
             continue
         cached = np.arange(ctx)
         at = table[cached // BS] * BS + cached % BS
-        k = np.repeat(k_slots[at].astype(np.float32), G, axis=1)  # [ctx, H, D]
-        v = np.repeat(v_slots[at].astype(np.float32), G, axis=1)
+        k = np.repeat(load(k_slots[at], 0), G, axis=1)  # [ctx, H, D]
+        v = np.repeat(load(v_slots[at], 1), G, axis=1)
         q = rotate(heads[b, real, :H], pos[real]).astype(np.float32)  # [n, H, D]
         scores = np.einsum("nhd,thd->nht", q, k) * scale
         scores = np.where(cached[None, None, :] > pos[real][:, None, None], -np.inf, scores)  # causal

@@ -60,7 +60,7 @@ def _torch():
 def _np_dtype(tensor) -> type:
     torch = _torch()
     return {torch.float16: np.float16, torch.float32: np.float32, torch.bfloat16: np.float16,
-            torch.int64: np.int64, torch.int32: np.int32}[tensor.dtype]
+            torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8}[tensor.dtype]
 
 
 def _bind(binding: ort.IOBinding, name: str, tensor, output: bool = False) -> None:

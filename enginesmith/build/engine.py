@@ -34,12 +34,13 @@ from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 KV_LAYOUTS = ("dense", "ring", "paged", "h2o")
+KV_DTYPES = ("fp16", "int8", "fp8")  # --for-cuda --kv paged: the pages' format (passes/lower/ort_paged_gqa.py)
 PAGE_SIZE = 16                 # "paged" default: tokens per KV page
 PAGED_MAX_BATCH = 64           # ort-cuda paged: default most rows per step (kv_layout.max_batch)
 # fields added after the first cache keys: in a key only when they differ from the default
 _LATER_FIELDS = ("page_size", "accuracy_level", "quant", "block_size", "alpha", "calib_text", "calib_samples", "trt", "preset",
                  "trt_version", "capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention", "lora",
-                 "kv_budget")
+                 "kv_budget", "kv_dtype")
 _CUDA_FIELDS = ("capacity", "max_batch", "quantize_lm_head", "custom_ops", "custom_attention")
 
 
@@ -61,6 +62,7 @@ class BuildConfig:
     kv_window: int = 1020
     kv_budget: int = 1024        # "h2o": KV slots (heavy hitters + recent tokens), a ring graph of no sinks
     page_size: int = PAGE_SIZE   # "paged": tokens per KV page (block)
+    kv_dtype: str = "fp16"       # ort-cuda "paged": the pages' format, fp16 or int8 / fp8 codes (calibrated scales)
     # graph passes (enginesmith.passes): a preset and/or an explicit pipeline, then the lowering
     quant: str | None = None     # a passes.PRESETS name, e.g. w4a16-awq, w4a16-gptq (ort-cuda: w4a16-rtn)
     passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
@@ -110,6 +112,11 @@ class BuildConfig:
                             "use --kv-budget 8 or more (e.g. 20 % of the stream's length)")
         if self.page_size < 1:
             raise UserError(f"--page-size {self.page_size} is not a positive number of tokens", "use e.g. --page-size 16")
+        if self.kv_dtype not in KV_DTYPES:
+            raise UserError(f"unknown KV page format --kv-dtype {self.kv_dtype}", f"use one of: {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "fp16" and not (self.target == "ort-cuda" and self.kv_layout == "paged"):
+            raise UserError(f"--kv-dtype {self.kv_dtype} quantizes the pages of the CUDA paged engine",
+                            "add --for-cuda --kv paged, or drop --kv-dtype")
         if self.target == "ort-cuda":
             self._validate_cuda()
             return
@@ -356,7 +363,8 @@ def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
                  ",lower_ort")
     text += ",matmul_transb"  # remaining fp16 MatMuls on [N, K] weights: a tied lm_head needs no copy
     if config.kv_layout == "paged":
-        return text + f",ort_gemv,ort_attention,paged_gqa:page_size={config.page_size}"
+        kv_dtype = f":kv_dtype={config.kv_dtype}" if config.kv_dtype != "fp16" else ""
+        return text + f",ort_gemv,ort_attention,paged_gqa:page_size={config.page_size}{kv_dtype}"
     if config.custom_ops or config.custom_attention or (config.custom_ops is None and ort_ops.available()):
         text += ",ort_gemv" + (",ort_attention" if config.custom_attention else "")
     return text
@@ -365,7 +373,9 @@ def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
 def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     """Write the ort-cuda engine lowered from the engine at `src` into `tmp`: the graph, the tokenizer
     and build.json (the source's, with the passes appended and kv_layout.io = GQA_IO, or PAGED_GQA_IO)."""
-    from enginesmith.passes import run_pipeline  # deferred: imports onnx, onnxruntime
+    from enginesmith.passes import calibration_set, run_pipeline  # deferred: imports onnx, onnxruntime
+    from enginesmith.passes.machinery.registry import calibrated_steps  # deferred: imports onnx
+    from transformers import AutoTokenizer  # deferred: heavy, only to calibrate quantized KV pages
 
     manifest = engine_dir.verify(src, onnx_graph=True)
     if manifest.kv_layout.io in (GQA_IO, PAGED_GQA_IO):
@@ -374,9 +384,13 @@ def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     pass_steps = steps(config, capacity)
     if config.needs_ort_ops:
         ort_ops.require()
+    calibration = None  # quantized KV pages: their scales (paged_gqa's kv_dtype)
+    if calibrated_steps(pass_steps):
+        tokenizer = AutoTokenizer.from_pretrained(str(src / "tokenizer"))
+        calibration = calibration_set(tokenizer, config.calib_text, samples=config.calib_samples)
     # The output check's tolerance is fp32's; fp16 norms legitimately differ by rounding there.
     report = run_pipeline(src / manifest.graph, tmp / "model.onnx", pass_steps, progress=progress,
-                          verify_exact=manifest.precision == "fp32")
+                          verify_exact=manifest.precision == "fp32", calibration=calibration)
     shutil.copytree(src / "tokenizer", tmp / "tokenizer")
     lowered = {k: v for k, v in manifest.raw.items() if k not in ("files", "created", "format_version")}
     lowered.update(
@@ -394,7 +408,8 @@ def _cuda_kv_layout(config: BuildConfig, capacity: int) -> dict:
     each of the full capacity) or paged (max_batch: most rows per step; pages are the runtime's choice)."""
     if config.kv_layout == "paged":
         return {"type": "paged", "io": PAGED_GQA_IO, "page_size": config.page_size, "capacity": capacity,
-                "max_batch": config.max_batch or PAGED_MAX_BATCH}
+                "max_batch": config.max_batch or PAGED_MAX_BATCH,
+                **({"kv_dtype": config.kv_dtype} if config.kv_dtype != "fp16" else {})}
     return {"type": "dense", "io": GQA_IO, "capacity": capacity,
             **({"max_batch": config.max_batch} if config.max_batch else {})}
 
@@ -491,18 +506,20 @@ def _cached_usable(path: Path, notice: bool) -> bool:
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
                    block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
                    progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False,
-                   max_batch: int | None = None, kv_layout: str = "dense", page_size: int = PAGE_SIZE) -> Path:
+                   max_batch: int | None = None, kv_layout: str = "dense", page_size: int = PAGE_SIZE,
+                   kv_dtype: str = "fp16", calib_samples: int = 32) -> Path:
     """The ort-cuda lowering of an engine `src` already built (tests and benchmarks lower fp32 ones
     too, for the CPU EP): the steps of BuildConfig(target="ort-cuda", ...) into `out`. quant: "w4a16"
     (= w4a16-rtn) or None. kv_layout "paged" (an fp16 `src`): PagedGroupQueryAttention over pools of
-    `page_size`-token pages. Open a dense result with runtime.ort_cuda.open_gqa_engine."""
+    `page_size`-token pages of `kv_dtype` (fp16, or int8 / fp8 codes with scales calibrated on
+    `calib_samples` windows of the default text). Open a dense result with runtime.ort_cuda.open_gqa_engine."""
     if quant not in (None, "w4a16"):
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
     # dtype only picks an export, and there is none here: the lowered precision is the source's
     config = BuildConfig(target="ort-cuda", dtype="fp16", capacity=capacity, quant=quant and "w4a16-rtn",
                          block_size=block_size, quantize_lm_head=quantize_lm_head, max_batch=max_batch,
                          custom_ops=custom_ops, custom_attention=custom_attention, kv_layout=kv_layout,
-                         page_size=page_size)
+                         page_size=page_size, kv_dtype=kv_dtype, calib_samples=calib_samples)
     with engine_dir.write_atomically(Path(out), overwrite=force) as tmp:
         _lower(Path(src), tmp, config, progress)
     return Path(out)

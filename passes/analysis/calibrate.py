@@ -121,16 +121,18 @@ def collect(onnx_path: str | os.PathLike, names: list[str], calib: CalibrationSe
     return {n: cached[n] for n in names}
 
 
-def open_session(onnx_path: Path, names: list[str]):
-    """An ORT CPU session of the graph with the tensors `names` exposed as extra outputs."""
+def open_session(onnx_path: Path, names: list[str], elem_type: int | None = None, ops_lib: Path | None = None):
+    """An ORT CPU session of the graph with the tensors `names` exposed as extra outputs (of ONNX type
+    `elem_type`, default FLOAT), with enginesmith's ORT ops registered when `ops_lib` is given."""
     import onnx  # deferred: heavy, only when statistics are not cached
     import onnxruntime as ort  # deferred: heavy, only when statistics are not cached
 
     proto = onnx.load(str(onnx_path), load_external_data=False)
     present = {o.name for o in proto.graph.output}
+    elem_type = onnx.TensorProto.FLOAT if elem_type is None else elem_type
     for name in names:
         if name not in present:
-            proto.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+            proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
     fd, tmp = tempfile.mkstemp(prefix=".calib-", suffix=".onnx", dir=onnx_path.parent)
     os.close(fd)
     try:
@@ -138,6 +140,8 @@ def open_session(onnx_path: Path, names: list[str]):
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         opts.log_severity_level = 3
+        if ops_lib is not None:
+            opts.register_custom_ops_library(str(ops_lib))
         session = ort.InferenceSession(tmp, opts, providers=["CPUExecutionProvider"])
     finally:
         os.unlink(tmp)

@@ -34,7 +34,13 @@ Interface after the pass (io_names; build.json kv_layout.io = PAGED_GQA_IO):
     outputs  logits [B, S, V], present.{i}.key/value [num_pages, BS, Hkv, D] (the pools, bound in place)
 
 seqlens_k and total_sequence_length leave the graph. The page size and capacity are recorded in the
-graph's kv_layout metadata. Page sizes and the most columns per step (S) are the paged-attention
+graph's kv_layout metadata.
+
+kv_dtype "int8" | "fp8" quantizes the pages (plugins/paged_attention/kv_quant.h): the pools become
+int8 / uint8 (fp8 e4m3 bytes) [num_pages, BS, Hkv, D], half the bytes of fp16, and each layer's op
+gets a ninth input, its static channel scales kv_scale [2, Hkv, D] float32 (an initializer),
+calibrated on the input graph (passes/analysis/kv_calibrate.py: K's rotation-invariant pair-norm
+bound, V's absmax, over calibration windows). The graph's kv_layout metadata records kv_dtype. Page sizes and the most columns per step (S) are the paged-attention
 kernels' limits (plugins/limits.json: 16/32/64, S <= 16): the runtime feeds prompts in chunks. Every attention layer must be enginesmith's op: a com.microsoft one that
 ort_attention could not take (bf16, ...) is refused with its reason, since the paged CUDA engine has no
 other paged attention; so is an enginesmith one the paged op cannot take (soft-capping, a sliding
@@ -48,16 +54,18 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.io_names import MS_DOMAIN, ORT_OPS_DOMAIN as DOMAIN, PAGED_GQA_IO
 from enginesmith.passes.kv.paged_rewrite import METADATA_KEY
+from enginesmith.passes.analysis import kv_calibrate
 from enginesmith.passes.lower.lower_gqa import CAPACITY_KEY, SEQLENS, TOTAL
 from enginesmith.passes.lower.ort_attention import PackedRotaryGQA
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Namer, replace_value, to_attrs
+from enginesmith.passes.machinery.edit import Namer, add_initializer, replace_value, to_attrs
 from enginesmith.passes.machinery.match import Match, Rule
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 from enginesmith.plugins.limits import limits as kernel_limits
@@ -66,17 +74,25 @@ POOL_DIM = "num_pages"
 # com.enginesmith.GroupQueryAttention's inputs, in order (ort_attention's KEPT)
 ES_GQA_INPUTS = ("qkv", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
 FIX = "build this model with a dense KV cache (--for-cuda without --kv paged)"
+KV_DTYPES = {"fp16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8, "fp8": ir.DataType.UINT8}  # pool element
 
 
 @dataclass(frozen=True)
 class PagedGqaParams:
-    page_size: int = 16   # BS: tokens per KV page
+    page_size: int = 16     # BS: tokens per KV page
+    kv_dtype: str = "fp16"  # the pages: fp16, or int8 / fp8 (e4m3) codes with calibrated channel scales
+    calib_windows: int = 8  # quantized pages: calibration windows the scales are taken over
 
     def __post_init__(self):
         sizes = page_sizes()
         if self.page_size not in sizes:
             raise UserError(f"paged_gqa page_size={self.page_size!r} is not one the paged attention op takes",
                             f"use page_size {', '.join(map(str, sizes))}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise UserError(f"paged_gqa kv_dtype={self.kv_dtype!r} is not a KV page format",
+                            f"use kv_dtype {', '.join(KV_DTYPES)}")
+        if self.calib_windows < 1:
+            raise UserError(f"paged_gqa calib_windows={self.calib_windows!r} must be positive", "e.g. 8")
 
 
 def page_sizes() -> tuple[int, ...]:
@@ -180,8 +196,10 @@ def _paged_inputs(graph: ir.Graph, blocks: int) -> tuple[ir.Value, ir.Value, ir.
     return tuple(made)
 
 
-def _page(graph: ir.Graph, namer: Namer, m: Match, page_size: int, meta) -> None:
-    """Replace one layer's GroupQueryAttention by PagedGroupQueryAttention over its pools (module doc)."""
+def _page(graph: ir.Graph, namer: Namer, m: Match, page_size: int, meta, kv_dtype: str = "fp16",
+          kv_scale: np.ndarray | None = None) -> None:
+    """Replace one layer's GroupQueryAttention by PagedGroupQueryAttention over its pools (module doc);
+    quantized pools get kv_scale [2, Hkv, D] as the op's ninth input."""
     node = m.root
     ins = dict(zip(ES_GQA_INPUTS, node.inputs))
     past_k, past_v = ins["past_k"], ins["past_v"]
@@ -189,34 +207,58 @@ def _page(graph: ir.Graph, namer: Namer, m: Match, page_size: int, meta) -> None
     scale = match.attr(node, "scale", 0.0) or 1.0 / math.sqrt(dim)
     attrs = {"num_heads": match.attr(node, "num_heads"), "kv_num_heads": match.attr(node, "kv_num_heads"),
              "scale": float(scale)}
-    new = ir.Node(DOMAIN, "PagedGroupQueryAttention", [ins["qkv"], past_k, past_v, *meta, ins["cos"], ins["sin"]],
-                  to_attrs(attrs), num_outputs=3, name=namer(f"{node.name or 'gqa'}_paged"))
+    inputs = [ins["qkv"], past_k, past_v, *meta, ins["cos"], ins["sin"]]
+    if kv_scale is not None:
+        inputs.append(add_initializer(graph, namer, f"{node.name or 'gqa'}_kv_scale", kv_scale))
+    new = ir.Node(DOMAIN, "PagedGroupQueryAttention", inputs, to_attrs(attrs), num_outputs=3,
+                  name=namer(f"{node.name or 'gqa'}_paged"))
     graph.insert_before(node, new)
     pool = ir.Shape([POOL_DIM, page_size, kv_heads, dim])
     for old, value in zip(node.outputs, new.outputs):
         replace_value(graph, old, value, namer(f"{old.name}_paged"))
     for value in (past_k, past_v, new.outputs[1], new.outputs[2]):
         value.shape = pool
+        value.type = ir.TensorType(KV_DTYPES[kv_dtype])
     graph.remove(node, safe=True)
 
 
-@register("paged_gqa", PagedGqaParams, exact=False)
+def _kv_scales(found: list[Match], params: PagedGqaParams, ctx: PassContext | None,
+               capacity: int) -> list[np.ndarray | None]:
+    """Each layer's kv_scale [2, Hkv, D] (None for fp16 pages), calibrated on the pass's input graph."""
+    if params.kv_dtype == "fp16":
+        return [None] * len(found)
+    if ctx is None or ctx.calibration is None:
+        raise UserError(f"paged_gqa kv_dtype={params.kv_dtype} calibrates its KV scales and got no calibration "
+                        "data", "run it through the pass pipeline with a calibration set")
+    from enginesmith.plugins import ort_ops  # deferred: the library is needed only to calibrate
+
+    layers = [(m.root.inputs[0].name, int(match.attr(m.root, "num_heads")), int(match.attr(m.root, "kv_num_heads")))
+              for m in found]
+    bounds = kv_calibrate.collect(ctx.model_path, layers, ctx.calibration, params.calib_windows, capacity,
+                                  ort_ops.require(), progress=ctx.progress)
+    return [kv_calibrate.scales(b, params.kv_dtype) for b in bounds]
+
+
+@register("paged_gqa", PagedGqaParams, exact=False, calibrated=lambda p: p.kv_dtype != "fp16")
 def paged_gqa(model: ir.Model, params: PagedGqaParams | None = None, ctx: PassContext | None = None) -> PassResult:
     """com.enginesmith.GroupQueryAttention on shared KV buffers -> PagedGroupQueryAttention on page pools
-    (block tables, context lengths, slot mapping). Changes the graph's inputs; see the module doc."""
+    (block tables, context lengths, slot mapping), fp16 or quantized (kv_dtype, calibrated scales).
+    Changes the graph's inputs; see the module doc."""
     params = params or PagedGqaParams()
     capacity = _capacity(model)
     found, rejected = match.find(model, SharedBufferGQA())
     _refuse(model, found, rejected)
+    kv_scales = _kv_scales(found, params, ctx, capacity)  # before any change: calibrated on the input graph
     graph = model.graph
     namer = Namer(graph)
     meta = _paged_inputs(graph, -(-capacity // params.page_size))
-    for m in found:  # collect the matches first, then change the graph
-        _page(graph, namer, m, params.page_size, meta)
+    for m, kv_scale in zip(found, kv_scales):  # collect the matches first, then change the graph
+        _page(graph, namer, m, params.page_size, meta, params.kv_dtype, kv_scale)
     for name in (SEQLENS, TOTAL):  # read by nothing now
         graph.inputs.remove(_graph_input(graph, name))
     model.metadata_props[METADATA_KEY] = json.dumps(
-        {"type": "paged", "io": PAGED_GQA_IO, "page_size": params.page_size, "capacity": capacity})
+        {"type": "paged", "io": PAGED_GQA_IO, "page_size": params.page_size, "capacity": capacity,
+         **({"kv_dtype": params.kv_dtype} if params.kv_dtype != "fp16" else {})})
     return PassResult({"paged_gqa": len(found)})
 
 

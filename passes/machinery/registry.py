@@ -28,7 +28,7 @@ from enginesmith.passes.machinery.match import Rejection
 
 # Modules of this package that only hold machinery, not passes (every other module is imported by
 # `passes()`, so a new pass module registers itself by being there).
-MACHINERY = {"calibrate", "dense_attention", "edit", "fold", "hessian", "linears", "match", "paged_lower", "paged_rewrite",
+MACHINERY = {"calibrate", "dense_attention", "edit", "fold", "hessian", "kv_calibrate", "linears", "match", "paged_lower", "paged_rewrite",
              "paged_verify", "pipeline", "qmath", "registry", "ring_rope", "ring_verify", "sites", "verify"}
 
 

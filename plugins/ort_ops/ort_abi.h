@@ -25,7 +25,7 @@ struct OrtCustomOpDomain;
 struct OrtShapeInferContext;
 
 // ONNXTensorElementDataType (the ONNX TensorProto codes).
-enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt32 = 6, kFloat16 = 10 };
+enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kInt32 = 6, kFloat16 = 10 };
 // OrtErrorCode.
 enum ErrorCode : int { kOk = 0, kFail = 1, kInvalidArgument = 2 };
 

@@ -19,9 +19,11 @@
 // and local_window_size as com.microsoft's, optional),
 // and its paged twin for the in-flight-batching engine (see paged_gqa.h):
 //   PagedGroupQueryAttention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping,
-//                            cos_cache, sin_cache; num_heads, kv_num_heads, scale)
+//                            cos_cache, sin_cache[, kv_scale]; num_heads, kv_num_heads, scale)
 //                            -> output, present_key_pool, present_value_pool
-// (the pools written in place at the new tokens' slots; another present buffer gets a copy first).
+// (the pools written in place at the new tokens' slots; another present buffer gets a copy first;
+// pools of float16, or of int8 / uint8 = fp8 e4m3 codes with kv_scale float32 [2, kv_num_heads,
+// head_size]: quantized KV pages, paged_attention/kv_quant.h; one kernel per pool type).
 //
 // Each op has a CUDA kernel (CUDAExecutionProvider, on ORT's compute stream, so it can be captured in
 // a CUDA graph) and a CPU kernel (the reference, so the graph runs and is checked on ORT CPU).
@@ -88,12 +90,14 @@ struct OpDef {
   bool cuda;
   bool attention;  // GroupQueryAttention (the other fields are the GEMVs')
   bool paged;      // PagedGroupQueryAttention
+  ElementType pool = kFloat16;  // PagedGroupQueryAttention: its pools' element type (int8, uint8: codes)
 };
 
 // GroupQueryAttention's inputs and outputs; total_sequence_length is read on the host.
 constexpr size_t kAttentionInputs = 7, kAttentionOutputs = 3, kTotalLengthInput = 4;
-// PagedGroupQueryAttention's; inputs 3, 4, 5 (block_tables, context_lens, slot_mapping) are int32.
-constexpr size_t kPagedInputs = 8, kPagedOutputs = 3;
+// PagedGroupQueryAttention's; inputs 3, 4, 5 (block_tables, context_lens, slot_mapping) are int32, the
+// last (kv_scale, float32) is optional: quantized pools only.
+constexpr size_t kPagedInputs = 9, kPagedOutputs = 3, kKvScaleInput = 8;
 
 // GEMV inputs: x, then skip (SkipRmsNorm) and gamma (both norms), then the weights.
 size_t norm_inputs(const OpDef& d) { return d.norm == Norm::kSkipRms ? 2 : d.norm == Norm::kRms ? 1 : 0; }
@@ -407,7 +411,8 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
 
 // ---- PagedGroupQueryAttention.
 std::string type_name(ElementType t) {
-  return t == kFloat16 ? "float16" : t == kInt32 ? "int32" : t == kFloat ? "float32" : "type " + std::to_string(t);
+  return t == kFloat16 ? "float16" : t == kInt32 ? "int32" : t == kFloat ? "float32" : t == kInt8 ? "int8"
+         : t == kUint8 ? "uint8" : "type " + std::to_string(t);
 }
 
 std::string dims_text(const std::vector<int64_t>& dims) {
@@ -430,7 +435,12 @@ OrtStatus* expect(const std::string& op, const char* name, const Tensor& t, Elem
 OrtStatus* compute_paged_attention(Kernel& k, OrtKernelContext* ctx) {
   const std::string& op = k.def->name;
   std::vector<Tensor> in(kPagedInputs);
-  for (size_t i = 0; i < in.size(); ++i) ORT_TRY(read_input(ctx, i, &in[i]));
+  size_t given = 0;
+  ORT_TRY(g_api->KernelContextGetInputCount(ctx, &given));
+  const OrtValue* scale_value = nullptr;
+  if (given > kKvScaleInput) ORT_TRY(g_api->KernelContextGetInput(ctx, kKvScaleInput, &scale_value));
+  for (size_t i = 0; i < in.size(); ++i)
+    if (i != kKvScaleInput || scale_value != nullptr) ORT_TRY(read_input(ctx, i, &in[i]));
   const Tensor &qkv = in[0], &key_pool = in[1], &value_pool = in[2], &tables = in[3], &lens = in[4], &slots = in[5],
                &cos = in[6], &sin = in[7];
   enginesmith::PagedGqaProblem p;
@@ -445,9 +455,23 @@ OrtStatus* compute_paged_attention(Kernel& k, OrtKernelContext* ctx) {
   p.S = int(qkv.dims[1]);
   p.D = int(qkv.dims[2] / heads);
   const std::string pool = "[num_blocks, block_size, kv_num_heads = " + n(p.Hkv) + ", head_size = " + n(p.D) + "]";
-  ORT_TRY(expect(op, "key_pool", key_pool, kFloat16, {-1, -1, p.Hkv, p.D}, pool));
-  ORT_TRY(expect(op, "value_pool", value_pool, kFloat16, key_pool.dims,
+  const ElementType pool_type = k.def->pool;
+  ORT_TRY(expect(op, "key_pool", key_pool, pool_type, {-1, -1, p.Hkv, p.D}, pool));
+  ORT_TRY(expect(op, "value_pool", value_pool, pool_type, key_pool.dims,
                  "with key_pool's shape " + dims_text(key_pool.dims)));
+  p.kv = pool_type == kInt8 ? enginesmith::KvFormat::kInt8
+         : pool_type == kUint8 ? enginesmith::KvFormat::kFp8E4M3 : enginesmith::KvFormat::kNative;
+  const Tensor& kv_scale = in[kKvScaleInput];
+  if (enginesmith::kv_quantized(p.kv)) {
+    if (scale_value == nullptr)
+      return error(op + ": " + type_name(pool_type) + " pools hold codes and need kv_scale (input 8), float32 "
+                   "[2, kv_num_heads, head_size]");
+    ORT_TRY(expect(op, "kv_scale", kv_scale, kFloat, {2, p.Hkv, p.D},
+                   "[2, kv_num_heads = " + n(p.Hkv) + ", head_size = " + n(p.D) + "]"));
+    p.kv_scale = static_cast<const float*>(kv_scale.data);
+  } else if (scale_value != nullptr) {
+    return error(op + ": kv_scale is for int8 / uint8 (fp8 e4m3) pools; float16 pools hold the values");
+  }
   p.NB = int(key_pool.dims[0]);
   p.BS = int(key_pool.dims[1]);
   ORT_TRY(expect(op, "block_tables", tables, kInt32, {p.B, -1}, "[batch = " + n(p.B) + ", max_blocks_per_seq]"));
@@ -469,9 +493,9 @@ OrtStatus* compute_paged_attention(Kernel& k, OrtKernelContext* ctx) {
   void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
   ORT_TRY(attention_outputs(ctx, {p.B, p.S, int64_t(p.H) * p.D}, key_pool.dims, &out, &present_k, &present_v));
   p.out = static_cast<__half*>(out);
-  p.key_pool = static_cast<__half*>(present_k);
-  p.value_pool = static_cast<__half*>(present_v);
-  size_t pool_bytes = sizeof(__half);
+  p.key_pool = present_k;
+  p.value_pool = present_v;
+  size_t pool_bytes = enginesmith::kv_quantized(p.kv) ? 1 : sizeof(__half);
   for (int64_t d : key_pool.dims) pool_bytes *= size_t(d);
   const std::pair<void*, const void*> copies[] = {{present_k, key_pool.data}, {present_v, value_pool.data}};
   if (!k.def->cuda) {
@@ -676,14 +700,18 @@ void compute_v1(void* kernel, OrtKernelContext* ctx) {
 
 ElementType input_type(const CustomOp* op, size_t i) {
   const OpDef& d = def_of(op);
-  if (d.paged) return (i >= 3 && i <= 5) ? kInt32 : kFloat16;  // block_tables, context_lens, slot_mapping
+  if (d.paged) {  // the pools, block_tables, context_lens, slot_mapping, kv_scale
+    return (i == 1 || i == 2) ? d.pool : (i >= 3 && i <= 5) ? kInt32 : i == kKvScaleInput ? kFloat : kFloat16;
+  }
   if (d.attention) return (i == 3 || i == kTotalLengthInput) ? kInt32 : kFloat16;
   if (i < first_weight(d) || !d.q4) return kFloat16;
   return ((i - first_weight(d)) % 2 == 0) ? kUint8 : kFloat16;  // B, scales, B, scales
 }
 
-OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false, bool paged = false) {
+OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false, bool paged = false,
+         ElementType pool = kFloat16) {
   OpDef d{};
+  d.pool = pool;
   d.name = paged       ? std::string("PagedGroupQueryAttention")
            : attention ? std::string("GroupQueryAttention")
                        : std::string(norm == Norm::kSkipRms ? "SkipRmsNorm" : norm == Norm::kRms ? "RmsNorm" : "") +
@@ -702,11 +730,15 @@ OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false, b
   o.GetExecutionProviderType = [](const CustomOp* op) { return def_of(op).provider; };
   o.GetInputType = input_type;
   o.GetInputTypeCount = [](const CustomOp* op) { return input_count(def_of(op)); };
-  o.GetOutputType = [](const CustomOp*, size_t) { return kFloat16; };
+  o.GetOutputType = [](const CustomOp* op, size_t i) {
+    return def_of(op).paged && (i == 1 || i == 2) ? def_of(op).pool : kFloat16;  // present pools: the pools' type
+  };
   o.GetOutputTypeCount = [](const CustomOp* op) { return output_count(def_of(op)); };
   o.KernelCompute = compute_v1;
   o.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  o.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };
+  o.GetInputCharacteristic = [](const CustomOp* op, size_t i) {
+    return def_of(op).paged && i == kKvScaleInput ? 1 : 0;  // 1: optional
+  };
   o.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
   o.GetInputMemoryType = [](const CustomOp* op, size_t i) {
     return def_of(op).attention && def_of(op).cuda && i == kTotalLengthInput ? -2 : 0;  // -2: host memory
@@ -731,7 +763,9 @@ std::vector<OpDef>& ops() {
         for (bool swiglu : {false, true})
           for (bool q4 : {false, true}) v.push_back(make(swiglu, q4, norm, cuda));
     for (bool cuda : {false, true}) v.push_back(make(false, false, Norm::kNone, cuda, true));
-    for (bool cuda : {false, true}) v.push_back(make(false, false, Norm::kNone, cuda, false, true));
+    for (bool cuda : {false, true})
+      for (ElementType pool : {kFloat16, kInt8, kUint8})  // one kernel per pool type, one op
+        v.push_back(make(false, false, Norm::kNone, cuda, false, true, pool));
     return v;
   }();
   return all;

@@ -30,21 +30,44 @@ struct ScratchLayout {
 ScratchLayout scratch_layout(const PagedGqaProblem& p, int splits) {
   ScratchLayout l;
   const size_t tokens = size_t(p.B) * p.S;
+  const size_t kv_item = kv_quantized(p.kv) ? 1 : sizeof(__half);  // the new K/V in the pools' format
   l.k = l.q + align_up(tokens * p.H * p.D * sizeof(__half));
-  l.v = l.k + align_up(tokens * p.Hkv * p.D * sizeof(__half));
-  l.lens = l.v + align_up(tokens * p.Hkv * p.D * sizeof(__half));
+  l.v = l.k + align_up(tokens * p.Hkv * p.D * kv_item);
+  l.lens = l.v + align_up(tokens * p.Hkv * p.D * kv_item);
   l.workspace = l.lens + align_up(size_t(p.B) * sizeof(int32_t));
   l.workspace_bytes = pa::workspace_size(p.B, p.S, p.H, p.D, splits);
   l.total = l.workspace + l.workspace_bytes;
   return l;
 }
 
+// Eight fp16 values (a 16-byte chunk) -> their eight codes under scales[0..7] (an 8-byte chunk).
+template <KvFormat KV>
+__device__ __forceinline__ uint2 encode8(uint4 values, const float* scales) {
+  const __half* h = reinterpret_cast<const __half*>(&values);
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) w[e / 4] |= uint32_t(kv_encode<KV>(__half2float(h[e]), __ldg(scales + e))) << (8 * (e % 4));
+  return make_uint2(w[0], w[1]);
+}
+
+// One 8-element chunk of the new K or V into the scratch: as is (native) or encoded with `scales`.
+template <KvFormat KV>
+__device__ __forceinline__ void store_kv(void* base, size_t at, uint4 values, const float* scales) {
+  if constexpr (kv_quantized(KV)) {
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(base) + at) = encode8<KV>(values, scales);
+  } else {
+    *reinterpret_cast<uint4*>(static_cast<__half*>(base) + at) = values;
+  }
+}
+
 // One block per (column s, row b): q and k of the token rotated at its position (16-byte chunks of
-// 8 pairs), v copied, into the paged kernel's layouts; the row's block (s = 0) also writes lens[b]:
-// context_lens[b], or 0 (a bad length for the paged kernel: NaN, nothing written) when a real column
-// sits beyond the rotary tables. Columns outside the tables (padding, bad rows) get zeros.
-__global__ void __launch_bounds__(kRotaryThreads) rotary_split_kernel(PagedGqaProblem p, __half* q_out, __half* k_out,
-                                                                      __half* v_out, int32_t* lens) {
+// 8 pairs), v copied, into the paged kernel's layouts (k and v encoded into codes for quantized
+// pools); the row's block (s = 0) also writes lens[b]: context_lens[b], or 0 (a bad length for the
+// paged kernel: NaN, nothing written) when a real column sits beyond the rotary tables. Columns outside
+// the tables (padding, bad rows) get zeros.
+template <KvFormat KV>
+__global__ void __launch_bounds__(kRotaryThreads) rotary_split_kernel(PagedGqaProblem p, __half* q_out, void* k_out,
+                                                                      void* v_out, int32_t* lens) {
   wait_for_previous_kernel();  // qkv, the lengths and slots may come from the kernel before
   allow_next_kernel();         // the paged kernel waits for this whole grid before its first read
   const int s = blockIdx.x, b = blockIdx.y, D = p.D, HALF = D / 2;
@@ -61,15 +84,14 @@ __global__ void __launch_bounds__(kRotaryThreads) rotary_split_kernel(PagedGqaPr
   const __half* x = p.qkv + tok * (p.H + 2 * p.Hkv) * D;
   const int chunks = HALF / 8, rot_items = (p.H + p.Hkv) * chunks, items = rot_items + p.Hkv * (D / 8);
   for (int i = threadIdx.x; i < items; i += kRotaryThreads) {
-    if (i >= rot_items) {  // v: a plain copy
+    if (i >= rot_items) {  // v: a plain copy (quantized: encoded)
       const int j = i - rot_items, head = j / (D / 8), c = (j % (D / 8)) * 8;
-      *reinterpret_cast<uint4*>(v_out + (tok * p.Hkv + head) * D + c) =
-          *reinterpret_cast<const uint4*>(x + (p.H + p.Hkv + head) * D + c);
+      store_kv<KV>(v_out, (tok * p.Hkv + head) * D + c, *reinterpret_cast<const uint4*>(x + (p.H + p.Hkv + head) * D + c),
+                   p.kv_scale + (p.Hkv + head) * D + c);
       continue;
     }
     const int head = i / chunks, c = (i % chunks) * 8;  // head < H: a q head, else k head head - H
     const __half* src = x + head * D + c;
-    __half* dst = head < p.H ? q_out + (tok * p.H + head) * D + c : k_out + (tok * p.Hkv + head - p.H) * D + c;
     uint4 y1 = make_uint4(0, 0, 0, 0), y2 = make_uint4(0, 0, 0, 0);
     if (in_table) {
       const uint4 a = *reinterpret_cast<const uint4*>(src), bb = *reinterpret_cast<const uint4*>(src + HALF);
@@ -89,8 +111,16 @@ __global__ void __launch_bounds__(kRotaryThreads) rotary_split_kernel(PagedGqaPr
         o2[e] = __floats2half2_rn(lo2, hi2);
       }
     }
-    *reinterpret_cast<uint4*>(dst) = y1;
-    *reinterpret_cast<uint4*>(dst + HALF) = y2;
+    if (head < p.H) {
+      __half* dst = q_out + (tok * p.H + head) * D + c;
+      *reinterpret_cast<uint4*>(dst) = y1;
+      *reinterpret_cast<uint4*>(dst + HALF) = y2;
+    } else {
+      const size_t at = (tok * p.Hkv + head - p.H) * D + c;
+      const float* scales = p.kv_scale + (head - p.H) * D + c;  // K's: kv_scale[0, g]
+      store_kv<KV>(k_out, at, y1, scales);
+      store_kv<KV>(k_out, at + HALF, y2, scales + HALF);
+    }
   }
 }
 
@@ -101,8 +131,10 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 std::string paged_gqa_check(const PagedGqaProblem& p) {
   if (p.B <= 0 || p.S <= 0 || p.H <= 0 || p.Hkv <= 0 || p.NB <= 0 || p.MB <= 0 || p.P <= 0)
     return "empty or negative dimension";
-  const Status config = pa::check_config(DType::kFloat16, p.D, p.BS, p.H, p.Hkv, p.S);
+  const Status config = pa::check_config(DType::kFloat16, p.D, p.BS, p.H, p.Hkv, p.S, p.kv);
   if (!config.ok) return config.message;
+  if (kv_quantized(p.kv) && p.kv_scale == nullptr)
+    return std::string(kv_format_name(p.kv)) + " pools need kv_scale [2, kv_num_heads, head_size]";
   if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return "scale must be positive (or 0 for 1 / sqrt(head_size))";
   if (int64_t(p.NB) * p.BS > std::numeric_limits<int32_t>::max()) return "the pool has more slots than int32 holds";
   return "";
@@ -110,7 +142,7 @@ std::string paged_gqa_check(const PagedGqaProblem& p) {
 
 Status paged_gqa_plan(const PagedGqaProblem& p, PagedGqaPlan* plan, bool batch_invariant) {
   int slots = 0;
-  ES_RETURN_IF_ERROR(pa::resident_slots(DType::kFloat16, p.D, p.BS, &slots));
+  ES_RETURN_IF_ERROR(pa::resident_slots(DType::kFloat16, p.D, p.BS, &slots, p.kv));
   plan->splits = batch_invariant ? pa::choose_num_splits(1, 1, p.H, p.Hkv, p.MB, p.BS, slots)
                                  : pa::choose_num_splits(p.B, p.S, p.H, p.Hkv, p.MB, p.BS, slots);
   plan->scratch_bytes = scratch_layout(p, plan->splits).total;
@@ -128,11 +160,14 @@ Status paged_gqa_launch(const PagedGqaProblem& p, const PagedGqaPlan& plan, void
   const ScratchLayout l = scratch_layout(p, plan.splits);
   char* base = static_cast<char*>(scratch);
   auto* q = reinterpret_cast<__half*>(base + l.q);
-  auto* k = reinterpret_cast<__half*>(base + l.k);
-  auto* v = reinterpret_cast<__half*>(base + l.v);
+  void* k = base + l.k;
+  void* v = base + l.v;
   auto* lens = reinterpret_cast<int32_t*>(base + l.lens);
-  ES_RETURN_IF_CUDA_ERROR(launch_kernel(rotary_split_kernel, dim3(p.S, p.B), kRotaryThreads, 0, stream,
-                                        plan.dependent, p, q, k, v, lens));
+  auto rotary = p.kv == KvFormat::kInt8      ? rotary_split_kernel<KvFormat::kInt8>
+                : p.kv == KvFormat::kFp8E4M3 ? rotary_split_kernel<KvFormat::kFp8E4M3>
+                                             : rotary_split_kernel<KvFormat::kNative>;
+  ES_RETURN_IF_CUDA_ERROR(launch_kernel(rotary, dim3(p.S, p.B), kRotaryThreads, 0, stream, plan.dependent, p, q, k, v,
+                                        lens));
   pa::Params a;
   a.query = q;
   a.k_cache = p.key_pool;
@@ -156,6 +191,11 @@ Status paged_gqa_launch(const PagedGqaProblem& p, const PagedGqaPlan& plan, void
   a.max_blocks_per_seq = p.MB;
   a.num_splits = plan.splits;
   a.scale = p.scale;
+  a.kv_format = p.kv;
+  if (kv_quantized(p.kv)) {
+    a.k_scale = p.kv_scale;
+    a.v_scale = p.kv_scale + size_t(p.Hkv) * p.D;
+  }
   return pa::launch_paged_attention(a, base + l.workspace, l.workspace_bytes, 0, stream);
 }
 
@@ -163,7 +203,30 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
   const int G = p.H / p.Hkv, D = p.D, HALF = D / 2, stride = (p.H + 2 * p.Hkv) * D;
   const int64_t pool_slots = int64_t(p.NB) * p.BS;
   auto f = [](const __half& h) { return __half2float(h); };
-  std::vector<float> q(D), k(D), acc(D), score;
+  std::vector<float> q(D), k(D), acc(D), score, row(D);
+  // The pools' elements at element offset `at` (a row of D): stored from fp32 values (native: the
+  // value rounded to fp16, as given; quantized: its code), and read back as values (code * scale).
+  // `which` 0: K, 1: V; g the KV head.
+  auto put = [&](void* pool, size_t at, int which, int g, int d, float value) {
+    const float s = kv_quantized(p.kv) ? p.kv_scale[(size_t(which) * p.Hkv + g) * D + d] : 0.f;
+    if (p.kv == KvFormat::kInt8)
+      static_cast<uint8_t*>(pool)[at + d] = kv_encode<KvFormat::kInt8>(value, s);
+    else if (p.kv == KvFormat::kFp8E4M3)
+      static_cast<uint8_t*>(pool)[at + d] = kv_encode<KvFormat::kFp8E4M3>(value, s);
+    else
+      static_cast<__half*>(pool)[at + d] = __float2half_rn(value);
+  };
+  auto get = [&](const void* pool, size_t at, int which, int g, std::vector<float>& y) {
+    const float* s = p.kv_scale + (size_t(which) * p.Hkv + g) * D;
+    for (int d = 0; d < D; ++d) {
+      if (p.kv == KvFormat::kInt8)
+        y[d] = kv_decode<KvFormat::kInt8>(static_cast<const uint8_t*>(pool)[at + d]) * s[d];
+      else if (p.kv == KvFormat::kFp8E4M3)
+        y[d] = kv_decode<KvFormat::kFp8E4M3>(static_cast<const uint8_t*>(pool)[at + d]) * s[d];
+      else
+        y[d] = f(static_cast<const __half*>(pool)[at + d]);
+    }
+  };
   for (int b = 0; b < p.B; ++b) {
     const int ctx = p.context_lens[b];
     const int32_t* table = p.block_tables + size_t(b) * p.MB;
@@ -197,8 +260,8 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
         const __half* v = tok + size_t(s) * stride + (p.H + p.Hkv + g) * D;
         const size_t at = (size_t(slot) * p.Hkv + g) * D;
         for (int d = 0; d < D; ++d) {
-          p.key_pool[at + d] = __float2half_rn(k[d]);
-          p.value_pool[at + d] = v[d];
+          put(p.key_pool, at, 0, g, d, k[d]);  // k[d] is fp16-exact (rotate rounds)
+          put(p.value_pool, at, 1, g, d, f(v[d]));
         }
       }
     }
@@ -207,8 +270,8 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
       poison();
       continue;
     }
-    auto cached = [&](const __half* pool, int j, int g) {  // position j of the row, KV head g
-      return pool + ((size_t(table[j / p.BS]) * p.BS + j % p.BS) * p.Hkv + g) * D;
+    auto cached = [&](int j, int g) {  // element offset of position j of the row, KV head g
+      return ((size_t(table[j / p.BS]) * p.BS + j % p.BS) * p.Hkv + g) * D;
     };
     for (int s = 0; s < p.S; ++s) {
       const int pos = ctx - p.S + s;
@@ -222,9 +285,9 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
         score.assign(pos + 1, 0.f);
         float mx = -INFINITY;
         for (int j = 0; j <= pos; ++j) {
-          const __half* kj = cached(p.key_pool, j, g);
+          get(p.key_pool, cached(j, g), 0, g, row);
           float dot = 0.f;
-          for (int d = 0; d < D; ++d) dot += q[d] * f(kj[d]);
+          for (int d = 0; d < D; ++d) dot += q[d] * row[d];
           score[j] = dot * p.scale;
           mx = std::max(mx, score[j]);
         }
@@ -232,8 +295,8 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
         for (float& sj : score) sum += (sj = std::exp(sj - mx));
         acc.assign(D, 0.f);  // each dimension summed over j in order (as attention_reference does)
         for (int j = 0; j <= pos; ++j) {
-          const __half* vj = cached(p.value_pool, j, g);
-          for (int d = 0; d < D; ++d) acc[d] += score[j] * f(vj[d]);
+          get(p.value_pool, cached(j, g), 1, g, row);
+          for (int d = 0; d < D; ++d) acc[d] += score[j] * row[d];
         }
         for (int d = 0; d < D; ++d) out[(size_t(s) * p.H + h) * D + d] = __float2half_rn(acc[d] / sum);
       }

@@ -7,7 +7,9 @@
 //
 // Layouts:
 //   qkv          [B, S, (H + 2 Hkv) D]  fp16: q heads, then k heads, then v heads of each token
-//   key_pool     [NB, BS, Hkv, D]       fp16 (value_pool likewise), written in place
+//   key_pool     [NB, BS, Hkv, D]       fp16 (value_pool likewise), written in place; or int8 / fp8 e4m3
+//                                       codes (kv, ../paged_attention/kv_quant.h) with
+//   kv_scale     [2, Hkv, D] float32    the static channel scales of K (0) and V (1)
 //   block_tables [B, MB] int32          page of row b's i-th block of BS positions (0: the null page)
 //   context_lens [B] int32              tokens in row b's cache after this step
 //   slot_mapping [B, S] int32           cache slot of column s (table[p / BS] * BS + p % BS), -1: a
@@ -15,7 +17,8 @@
 //   cos, sin     [P, D / 2] fp16        rotary tables (half-split rotation, rotary.cuh)
 //   out          [B, S, H D] fp16
 // Column s of row b sits at position p = context_lens[b] - S + s. Its q and k are rotated at p and
-// rounded to fp16 (that k goes into the cache); the new K/V of non-padding columns are written to
+// rounded to fp16 (that k goes into the cache, encoded with its scale when quantized: the value the
+// column then attends to is the decoded one, as every later column sees it); the new K/V of non-padding columns are written to
 // their slots; each column attends causally to positions 0 .. p of its row (through the block
 // table). Scores and softmax are fp32; the output is rounded once. Padding columns sit right of the
 // real ones (the runtime pads on the right): real columns never see them; their own outputs are
@@ -31,7 +34,8 @@
 // CUDA path, two kernels on one stream, no host sync (capturable in a CUDA graph):
 //
 //   qkv, cos/sin, context_lens, slot_mapping
-//     └─ rotary_split_kernel ─▶ scratch q [B,S,H,D], k [B,S,Hkv,D] (rotated), v [B,S,Hkv,D],
+//     └─ rotary_split_kernel ─▶ scratch q [B,S,H,D], k [B,S,Hkv,D] (rotated), v [B,S,Hkv,D] (k, v
+//                               encoded when the pools are quantized: the fused write copies codes),
 //                               lens [B] (context_lens; 0 for a row whose real columns leave the tables)
 //          └─ paged_attention::launch_paged_attention (fused KV write through slot_mapping, splits)
 //               ─▶ out, key_pool / value_pool at the new slots
@@ -48,13 +52,14 @@
 #include <string>
 
 #include "../common/status.h"
+#include "../paged_attention/kv_quant.h"
 
 namespace enginesmith {
 
 struct PagedGqaProblem {
   const __half* qkv = nullptr;           // [B, S, (H + 2 Hkv) D]
-  __half* key_pool = nullptr;            // [NB, BS, Hkv, D]
-  __half* value_pool = nullptr;          // [NB, BS, Hkv, D]
+  void* key_pool = nullptr;              // [NB, BS, Hkv, D] fp16, or codes (kv)
+  void* value_pool = nullptr;            // [NB, BS, Hkv, D]
   const int32_t* block_tables = nullptr; // [B, MB]
   const int32_t* context_lens = nullptr; // [B]
   const int32_t* slot_mapping = nullptr; // [B, S]
@@ -63,6 +68,8 @@ struct PagedGqaProblem {
   __half* out = nullptr;                 // [B, S, H D]
   int B = 0, S = 0, H = 0, Hkv = 0, D = 0, NB = 0, BS = 0, MB = 0, P = 0;
   float scale = 0.f;  // softmax scale, > 0 (the op resolves its attribute's 0 to 1 / sqrt(D))
+  KvFormat kv = KvFormat::kNative;       // the pools' format (kv_quant.h)
+  const float* kv_scale = nullptr;       // [2, Hkv, D] (quantized pools): K's, then V's channel scales
 };
 
 // Empty when the problem is valid (paged_attention's check_config: head size, page size, S), else

@@ -24,6 +24,7 @@ struct Variant {
 
 struct Entry {
     DType dtype;
+    KvFormat kv_format;
     int head_size;
     int block_size;
     Variant single_tile;  // G * Sq <= kRowsPerCta
@@ -34,20 +35,20 @@ struct Entry {
     Variant const& variant(int rows) const { return block_rows(rows) > kRowsPerCta ? multi_tile : single_tile; }
 };
 
-template <typename T, int D, int BS>
+template <typename T, int D, int BS, KvFormat KV = KvFormat::kNative>
 Entry make_entry(DType dtype) {
     static std::atomic<bool> configured_single{false}, configured_multi{false};
     static std::atomic<int> slots{0};
-    return Entry{dtype, D, BS,
-        Variant{&detail::paged_attention_kernel<T, D, BS, 1>, detail::smem_bytes<T, D, 1>(), &configured_single},
-        Variant{&detail::paged_attention_kernel<T, D, BS, kMultiTiles>, detail::smem_bytes<T, D, kMultiTiles>(),
+    return Entry{dtype, KV, D, BS,
+        Variant{&detail::paged_attention_kernel<T, D, BS, 1, KV>, detail::smem_bytes<T, D, 1, KV>(), &configured_single},
+        Variant{&detail::paged_attention_kernel<T, D, BS, kMultiTiles, KV>, detail::smem_bytes<T, D, kMultiTiles, KV>(),
             &configured_multi},
         &detail::paged_attention_reduce_kernel<T, D>, &slots};
 }
 
-// The dispatch table: every (dtype, head size, block size) with a compiled kernel. Anything else is
-// reported by check_config with the supported values.
-Entry const* find_entry(DType dtype, int head_size, int block_size) {
+// The dispatch table: every (dtype, KV format, head size, block size) with a compiled kernel. Anything
+// else is reported by check_config with the supported values.
+Entry const* find_entry(DType dtype, int head_size, int block_size, KvFormat kv = KvFormat::kNative) {
     static Entry const kTable[] = {
         make_entry<__half, 64, 16>(DType::kFloat16),
         make_entry<__half, 64, 32>(DType::kFloat16),
@@ -61,9 +62,22 @@ Entry const* find_entry(DType dtype, int head_size, int block_size) {
         make_entry<__nv_bfloat16, 128, 16>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 128, 32>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 128, 64>(DType::kBFloat16),
+        // quantized pages (kv_quant.h): fp16 compute
+        make_entry<__half, 64, 16, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 64, 32, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 64, 64, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 128, 16, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 128, 32, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 128, 64, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 64, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 64, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 64, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 128, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 128, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 128, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
     };
     for (Entry const& e : kTable)
-        if (e.dtype == dtype && e.head_size == head_size && e.block_size == block_size) return &e;
+        if (e.dtype == dtype && e.kv_format == kv && e.head_size == head_size && e.block_size == block_size) return &e;
     return nullptr;
 }
 
@@ -80,9 +94,13 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 }  // namespace
 
-Status check_config(DType dtype, int head_size, int block_size, int num_heads, int num_kv_heads, int query_len) {
+Status check_config(DType dtype, int head_size, int block_size, int num_heads, int num_kv_heads, int query_len,
+    KvFormat kv_format) {
     if (dtype != DType::kFloat16 && dtype != DType::kBFloat16)
         return Status::Error("paged attention: dtype must be float16 or bfloat16");
+    if (kv_quantized(kv_format) && dtype != DType::kFloat16)
+        return Status::Error(std::string("paged attention: ") + kv_format_name(kv_format) +
+                             " KV pages need float16 compute, got " + dtypeName(dtype));
     if (std::find(std::begin(kSupportedHeadSizes), std::end(kSupportedHeadSizes), head_size) ==
         std::end(kSupportedHeadSizes))
         return Status::Error("paged attention: head size " + std::to_string(head_size) +
@@ -97,9 +115,10 @@ Status check_config(DType dtype, int head_size, int block_size, int num_heads, i
     if (query_len < 1 || query_len > kMaxQueryLen)
         return Status::Error("paged attention: query length " + std::to_string(query_len) + " is outside [1, " +
                              std::to_string(kMaxQueryLen) + "]; run longer prompts through the prefill path");
-    if (find_entry(dtype, head_size, block_size) == nullptr)
+    if (find_entry(dtype, head_size, block_size, kv_format) == nullptr)
         return Status::Error(std::string("paged attention: no kernel compiled for dtype=") + dtypeName(dtype) +
-                             " head_size=" + std::to_string(head_size) + " block_size=" + std::to_string(block_size));
+                             " kv=" + kv_format_name(kv_format) + " head_size=" + std::to_string(head_size) +
+                             " block_size=" + std::to_string(block_size));
     return Status::Ok();
 }
 
@@ -112,9 +131,9 @@ static Status configure_smem(Variant const& v) {
     return Status::Ok();
 }
 
-Status resident_slots(DType dtype, int head_size, int block_size, int* slots) {
-    Entry const* e = find_entry(dtype, head_size, block_size);
-    if (e == nullptr) return check_config(dtype, head_size, block_size, 1, 1, 1);
+Status resident_slots(DType dtype, int head_size, int block_size, int* slots, KvFormat kv_format) {
+    Entry const* e = find_entry(dtype, head_size, block_size, kv_format);
+    if (e == nullptr) return check_config(dtype, head_size, block_size, 1, 1, 1, kv_format);
     int cached = e->slots->load(std::memory_order_acquire);
     if (cached == 0) {  // one GPU kind per process is assumed (as TensorRT engines do)
         int dev = 0, sms = 0, per_sm = 1 << 30;
@@ -201,7 +220,8 @@ size_t workspace_bound(int max_batch, int max_query_len, int num_heads, int num_
 }
 
 Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes, int slots, cudaStream_t stream) {
-    ES_RETURN_IF_ERROR(check_config(p.dtype, p.head_size, p.block_size, p.num_heads, p.num_kv_heads, p.query_len));
+    ES_RETURN_IF_ERROR(
+        check_config(p.dtype, p.head_size, p.block_size, p.num_heads, p.num_kv_heads, p.query_len, p.kv_format));
     if (p.batch <= 0) return Status::Ok();
     if (p.max_blocks_per_seq <= 0 || p.num_blocks <= 0)
         return Status::Error("paged attention: block table width and page count must be positive");
@@ -210,11 +230,15 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     const int fused = (p.new_key != nullptr) + (p.new_value != nullptr) + (p.slot_mapping != nullptr);
     if (fused != 0 && fused != 3)
         return Status::Error("paged attention: the fused KV write needs new_key, new_value and slot_mapping together");
-    Entry const* e = find_entry(p.dtype, p.head_size, p.block_size);
+    if (kv_quantized(p.kv_format) && (p.k_scale == nullptr || p.v_scale == nullptr))
+        return Status::Error(std::string("paged attention: ") + kv_format_name(p.kv_format) +
+                             " KV pages need k_scale and v_scale [num_kv_heads, head_size]");
+    Entry const* e = find_entry(p.dtype, p.head_size, p.block_size, p.kv_format);
     const int group = p.num_heads / p.num_kv_heads;
     Variant const& kernel = e->variant(group * p.query_len);
     ES_RETURN_IF_ERROR(configure_smem(kernel));
-    if (p.num_splits <= 0 && slots <= 0) ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots));
+    if (p.num_splits <= 0 && slots <= 0)
+        ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots, p.kv_format));
     int splits = p.num_splits > 0 ? p.num_splits
                                   : choose_num_splits(p.batch, p.query_len, p.num_heads, p.num_kv_heads,
                                         p.max_blocks_per_seq, p.block_size, slots);

@@ -9,7 +9,8 @@
 //
 // Layout (all row-major, contiguous)
 //   query        [B, Sq, H, D]   fp16 | bf16
-//   k_cache      [NB, BS, Hkv, D] same dtype; v_cache likewise
+//   k_cache      [NB, BS, Hkv, D] same dtype, or (fp16 only) int8 / fp8 e4m3 codes (kv_format,
+//                                 kv_quant.h) with static scales k_scale / v_scale [Hkv, D]; v_cache likewise
 //   block_tables [B, MB] int32   page of the sequence's i-th block of BS tokens
 //   context_lens [B] int32       tokens in the cache for the sequence, the Sq new ones included
 //   out          [B, Sq, H, D]
@@ -39,6 +40,7 @@
 #include <cstdint>
 
 #include "../common/status.h"
+#include "kv_quant.h"
 
 namespace enginesmith {
 namespace paged_attention {
@@ -118,6 +120,11 @@ struct Params {
     int num_splits = 0;           // 0: choose (choose_num_splits); else forced, <= kMaxSplits
     float scale = 0.f;            // softmax scale; 0 means 1/sqrt(D)
     DType dtype = DType::kFloat16;
+    // Quantized pages (kv_quant.h; fp16 only): the caches and new_key / new_value hold codes, the K/V
+    // loads widen them to fp16, k_scale is folded into the query and v_scale into the output.
+    KvFormat kv_format = KvFormat::kNative;
+    float const* k_scale = nullptr;  // [Hkv, D] float32 (quantized formats)
+    float const* v_scale = nullptr;  // [Hkv, D] float32
 };
 
 struct WriteKVParams {
@@ -137,11 +144,12 @@ struct WriteKVParams {
 
 // Shape/type checks shared by the launcher, the binding and the TensorRT wrapper. A failure says
 // which value is unsupported and what is supported.
-Status check_config(DType dtype, int head_size, int block_size, int num_heads, int num_kv_heads, int query_len);
+Status check_config(DType dtype, int head_size, int block_size, int num_heads, int num_kv_heads, int query_len,
+    KvFormat kv_format = KvFormat::kNative);
 
 // Resident thread-block slots for this kernel on the current GPU: SMs x blocks per SM (from the
 // occupancy calculator; it depends on dtype/head size through registers and shared memory).
-Status resident_slots(DType dtype, int head_size, int block_size, int* slots);
+Status resident_slots(DType dtype, int head_size, int block_size, int* slots, KvFormat kv_format = KvFormat::kNative);
 
 // The split count the launcher uses when Params::num_splits == 0: about one full wave of blocks
 // (`slots`, from resident_slots), at least kMinTokensPerSplit tokens per split, less any trailing

@@ -18,10 +18,18 @@
 //     fetched before the tile copies) and row block 0 of their split stores them at their slots.
 //   sm_90+: the split kernel starts with griddepcontrol.wait, so it may itself be launched as a
 //   programmatic dependent of whatever kernel precedes it (its launch overlaps that kernel's tail).
+//   quantized pages (KV = kInt8 | kFp8E4M3, fp16 only; kv_quant.h): the codes are staged as bytes
+//     (8-byte cp.async: a thread copies the same token rows and columns as for fp16; decode blocks
+//     keep one more stage in flight), and each thread widens the rows it copied to fp16 in a one-tile K/V buffer right
+//     after its wait, before the step's barrier; the MMAs then run as for fp16. The K scales are
+//     folded into the query registers, the V scales into the output: no per-element multiply.
+//       pages ──cp.async 8 B──▶ smem codes [stages][64][D] ──widen──▶ smem fp16 K/V tile [64][D+8]
+//   The native path is the same template with KV = kNative: the quantized steps compile away.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cfloat>
 #include <cmath>
@@ -48,11 +56,58 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int D>
 __host__ __device__ constexpr int smem_stride() { return D + 8; }
 
-// kMT = 1: a separate Q buffer of 16 rows; kMT > 1: Q (16 * kMT <= kTileTokens rows) is staged in the
-// last K stage and moved to registers before the pipeline first refills that stage.
-template <typename T, int D, int kMT>
+// K/V tiles in flight: quantized tiles are half the bytes, so decode blocks (kMT = 1) get one more
+// stage at about the same shared memory (D = 128: 102 KiB against fp16's 106 KiB, two blocks an SM
+// either way); kMT > 1 blocks, which also hold 64 Q rows and the fp16 tile, keep kStages (99 KiB; one
+// more would leave one block an SM, and resident_slots, the split count, takes the lower variant).
+template <KvFormat KV, int kMT>
+__host__ __device__ constexpr int stages() { return kv_quantized(KV) && kMT == 1 ? kStages + 1 : kStages; }
+
+// Native: kMT = 1: a separate Q buffer of 16 rows; kMT > 1: Q (16 * kMT <= kTileTokens rows) is staged
+// in the last K stage and moved to registers before the pipeline first refills that stage.
+// Quantized: Q [16 kMT rows], the fp16 K/V tile [2][kTileTokens] rows, then the code stages (bytes).
+template <typename T, int D, int kMT, KvFormat KV = KvFormat::kNative>
 __host__ __device__ constexpr size_t smem_bytes() {
-    return static_cast<size_t>((kMT == 1 ? kRowsPerCta : 0) + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+    if constexpr (kv_quantized(KV)) {
+        return static_cast<size_t>(kRowsPerCta * kMT + 2 * kTileTokens) * smem_stride<D>() * sizeof(T) +
+               static_cast<size_t>(2 * stages<KV, kMT>() * kTileTokens) * D;
+    } else {
+        return static_cast<size_t>((kMT == 1 ? kRowsPerCta : 0) + 2 * kStages * kTileTokens) * smem_stride<D>() * sizeof(T);
+    }
+}
+
+// 8-byte global->shared copy of codes (cp.async.ca: .cg takes 16 bytes only); !valid zero-fills.
+__device__ __forceinline__ void cp_async_8(uint32_t smem, void const* gmem, bool valid = true) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 8 : 0));
+}
+
+// Eight codes (one 8-byte chunk) widened to eight fp16 values (one 16-byte chunk), exactly.
+template <KvFormat KV>
+__device__ __forceinline__ uint4 widen_codes(uint2 codes) {
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+    if constexpr (KV == KvFormat::kInt8) {
+        // 0x6400 | u is the fp16 1024 + u: bias the codes by 128 into bytes u, place them, subtract 1152.
+        const __half2 bias = __floats2half2_rn(1152.f, 1152.f);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            const uint32_t u = (w == 0 ? codes.x : codes.y) ^ 0x80808080u;
+            uint32_t lo = __byte_perm(u, 0x64646464u, 0x5140), hi = __byte_perm(u, 0x64646464u, 0x7362);
+            __half2 l = __hsub2(*reinterpret_cast<__half2*>(&lo), bias), h = __hsub2(*reinterpret_cast<__half2*>(&hi), bias);
+            o[2 * w] = *reinterpret_cast<uint32_t*>(&l);
+            o[2 * w + 1] = *reinterpret_cast<uint32_t*>(&h);
+        }
+    } else {
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            const uint32_t u = w == 0 ? codes.x : codes.y;
+            const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u & 0xffffu), __NV_E4M3);
+            const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u >> 16), __NV_E4M3);
+            o[2 * w] = uint32_t(lo.x) | (uint32_t(lo.y) << 16);
+            o[2 * w + 1] = uint32_t(hi.x) | (uint32_t(hi.y) << 16);
+        }
+    }
+    return out;
 }
 
 // Split merge, shared by the reduce kernel and the last-block path. The splits i = first, first +
@@ -150,9 +205,14 @@ __device__ __forceinline__ void merge_splits(Params const& p, int const* s_out_r
 // tokens (16 each) for the block's 16 rows and are merged at the end. kMultiTiles (G * Sq > 16:
 // speculative verification, chunked prefill): warp w owns rows 16w..16w+15 and runs all 64 tokens of
 // every tile, so the 64 rows share one read of the K/V (before, each 16-row block re-read them).
-template <typename T, int D, int BS, int kMT>
+template <typename T, int D, int BS, int kMT, KvFormat KV = KvFormat::kNative>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int row_blocks) {
     static_assert(kMT == 1 || kMT == kWarps, "one row tile per block, or one per warp");
+    constexpr bool kQuant = kv_quantized(KV);
+    static_assert(!kQuant || std::is_same<T, __half>::value, "quantized pages are widened to fp16");
+    using C = typename std::conditional<kQuant, uint8_t, T>::type;  // cache element: a value or a code
+    using Chunk = typename std::conditional<kQuant, uint2, uint4>::type;  // 8 cache elements
+    constexpr int kSt = stages<KV, kMT>();
     static_assert(kRowsPerCta * kMT <= kTileTokens, "kMT > 1 stages Q in one K stage");
     constexpr int kRows = kRowsPerCta * kMT;  // (query token, head in group) rows of this block
     static_assert(D % 16 == 0 && D <= 256, "head size must be a multiple of 16, at most 256");
@@ -162,15 +222,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     // padded by 8 floats: a warp's float2 stores (8 rows x 4 column pairs) then fall into distinct bank
     // groups (unpadded, the 8 rows shared 2 banks: 8-way conflicts, ~0.5 us per block on an H200).
     constexpr int kOStride = D + 8;
-    static_assert(kWarps * kRowsPerCta * kOStride * sizeof(float) <= kStages * kTileTokens * smem_stride<D>() * sizeof(T),
-        "merge buffer does not fit in the K stages");
+    static_assert(kWarps * kRowsPerCta * kOStride * sizeof(float) <=
+                      (kQuant ? 2 : kStages) * kTileTokens * smem_stride<D>() * sizeof(T),
+        "merge buffer does not fit in the K stages (quantized: the fp16 K/V tile)");
     constexpr int kStride = smem_stride<D>();
-    constexpr int kChunks = D / 8;  // 16-byte chunks per token row of one head
+    constexpr int kChunks = D / 8;  // 8-element chunks per token row of one head (16 bytes; codes: 8)
+    // Staged row stride in bytes (codes: unpadded, the widening reads are conflict-free).
+    constexpr int kStageRowBytes = kQuant ? D : kStride * static_cast<int>(sizeof(T));
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sK = reinterpret_cast<T*>(smem_raw) + (kMT == 1 ? kRowsPerCta * kStride : 0);  // [kStages][kTileTokens][kStride]
-    T* sV = sK + kStages * kTileTokens * kStride;    // [kStages][kTileTokens][kStride]
-    T* sQ = kMT == 1 ? reinterpret_cast<T*>(smem_raw) : sK + (kStages - 1) * kTileTokens * kStride;  // [kRows][kStride]
+    // Native: the staged tiles are the MMA's operands. Quantized: Q, the fp16 tile (sK, sV: one stage),
+    // then the staged codes (cK, cV: [kSt][kTileTokens][D] bytes).
+    T* sK = reinterpret_cast<T*>(smem_raw) + (kMT == 1 || kQuant ? kRowsPerCta * kMT * kStride : 0);
+    T* sV = sK + (kQuant ? 1 : kStages) * kTileTokens * kStride;
+    T* sQ = kMT == 1 || kQuant ? reinterpret_cast<T*>(smem_raw) : sK + (kStages - 1) * kTileTokens * kStride;
+    unsigned char* cK = kQuant ? reinterpret_cast<unsigned char*>(sV + kTileTokens * kStride)
+                               : reinterpret_cast<unsigned char*>(sK);
+    unsigned char* cV = kQuant ? cK + kSt * kTileTokens * D : reinterpret_cast<unsigned char*>(sV);
+    constexpr int kStageBytes = kTileTokens * kStageRowBytes;  // one staged tile of K (or V)
     __shared__ int s_bad;
     __shared__ int s_bad_slot;              // fused write: a slot not at its position (or outside the pool)
     __shared__ int s_slot[kMaxQueryLen];    // fused write: checked slot of each new token, -1 = from the cache
@@ -214,10 +283,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     }
 
     T const* query = static_cast<T const*>(p.query);
-    T const* k_cache = static_cast<T const*>(p.k_cache);
-    T const* v_cache = static_cast<T const*>(p.v_cache);
-    T const* new_key = static_cast<T const*>(p.new_key);
-    T const* new_value = static_cast<T const*>(p.new_value);
+    C const* k_cache = static_cast<C const*>(p.k_cache);
+    C const* v_cache = static_cast<C const*>(p.v_cache);
+    C const* new_key = static_cast<C const*>(p.new_key);
+    C const* new_value = static_cast<C const*>(p.new_value);
     const bool fused = p.slot_mapping != nullptr;  // fused KV write (paged_attention.h)
     int32_t const* table = p.block_tables + static_cast<size_t>(b) * p.max_blocks_per_seq;
 
@@ -266,11 +335,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     __syncthreads();
 
     // The table entries of the prologue's tiles and of the first tile the loop issues, read together.
-    int pro_pages[kStages - 1][kPagesPerTile];
+    int pro_pages[kSt - 1][kPagesPerTile];
     int next_pages[kPagesPerTile];
 #pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) read_pages(t_begin, t_end, i, pro_pages[i]);
-    read_pages(t_begin, t_end, kStages - 1, next_pages);
+    for (int i = 0; i < kSt - 1; ++i) read_pages(t_begin, t_end, i, pro_pages[i]);
+    read_pages(t_begin, t_end, kSt - 1, next_pages);
 
     // The new positions are [new_begin, ctx_eff). With prefetch the prologue copies its tiles' past
     // rows [t_begin, past_end) before the wait and the new ones [past_end, t_end) after it.
@@ -287,7 +356,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int new_first = max(new_begin, t_begin);  // this split's new positions [new_first, t_end)
     const int new_items = row0 == 0 ? max(0, t_end - new_first) * kChunks : 0;  // 16-byte rows to store
     int raw_slot = -1, raw_page = 0;
-    uint4 new_k[kNewIters], new_v[kNewIters];
+    Chunk new_k[kNewIters], new_v[kNewIters];
     // Element offset of new token s's 16-byte chunk c (KV head kvh) in new_key / new_value.
     auto new_row = [&](int s, int c) { return ((static_cast<size_t>(b) * p.query_len + s) * Hkv + kvh) * D + c * 8; };
     auto fetch_new = [&]() {
@@ -300,8 +369,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             const int i = threadIdx.x + j * kThreads;
             if (i < new_items) {
                 const int s = new_first + i / kChunks - new_begin, c = i % kChunks;
-                new_k[j] = *reinterpret_cast<uint4 const*>(new_key + new_row(s, c));
-                new_v[j] = *reinterpret_cast<uint4 const*>(new_value + new_row(s, c));
+                new_k[j] = *reinterpret_cast<Chunk const*>(new_key + new_row(s, c));
+                new_v[j] = *reinterpret_cast<Chunk const*>(new_value + new_row(s, c));
             }
         }
     };
@@ -318,8 +387,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         }
     };
     auto store_new = [&]() {
-        T* kw = const_cast<T*>(k_cache);
-        T* vw = const_cast<T*>(v_cache);
+        C* kw = const_cast<C*>(k_cache);
+        C* vw = const_cast<C*>(v_cache);
 #pragma unroll
         for (int j = 0; j < kNewIters; ++j) {
             const int i = threadIdx.x + j * kThreads;
@@ -328,13 +397,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             const int slot = s_slot[s];
             if (slot < 0) continue;
             const size_t dst = (static_cast<size_t>(slot) * Hkv + kvh) * D + c * 8;
-            *reinterpret_cast<uint4*>(kw + dst) = new_k[j];
-            *reinterpret_cast<uint4*>(vw + dst) = new_v[j];
+            *reinterpret_cast<Chunk*>(kw + dst) = new_k[j];
+            *reinterpret_cast<Chunk*>(vw + dst) = new_v[j];
         }
     };
     // Without prefetch the slots are checked before the prologue only where its tiles hold new rows
     // (the copies need s_slot), else after it, off the path of the first copies.
-    const bool check_early = fused && !prefetch && new_first < min(t_end, t_begin + (kStages - 1) * kTileTokens);
+    const bool check_early = fused && !prefetch && new_first < min(t_end, t_begin + (kSt - 1) * kTileTokens);
     if (fused && !prefetch) fetch_new();
     if (check_early) {
         check_new();
@@ -355,14 +424,22 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int row_elems = Hkv * D;
     const int thread_off = (tok0 * Hkv + kvh) * D + chunk * 8;  // in the page, row tok0
     constexpr int kItersPerPage = BS / kTokensPerIter;
+    // Chunk `c` (8 elements) of row `tok` of a staged tile.
+    auto staged = [&](unsigned char* base, int stage, int tok, int c) {
+        return base + stage * kStageBytes + tok * kStageRowBytes + c * 8 * static_cast<int>(sizeof(C));
+    };
+    auto shared_addr = [](void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); };
     auto copy_tile = [&](int tile, int stage, int const (&pages)[kPagesPerTile], int lo, int hi, bool zero_tail) {
         const int t0 = t_begin + tile * kTileTokens;
-        T* dk = sK + stage * kTileTokens * kStride;
-        T* dv = sV + stage * kTileTokens * kStride;
+        // native: the staged fp16 tile, addressed as before the quantized formats (the same code)
+        T* dk = kQuant ? sK : sK + stage * kTileTokens * kStride;
+        T* dv = kQuant ? sV : sV + stage * kTileTokens * kStride;
         constexpr int kIters = kTileTokens * kChunks / kThreads;
         if (t0 >= lo && t0 + kTileTokens <= hi) {  // uniform per block
-            const uint32_t sk = static_cast<uint32_t>(__cvta_generic_to_shared(dk + tok0 * kStride + chunk * 8));
-            const uint32_t sv = static_cast<uint32_t>(__cvta_generic_to_shared(dv + tok0 * kStride + chunk * 8));
+            const uint32_t sk = kQuant ? shared_addr(staged(cK, stage, tok0, chunk))
+                                       : static_cast<uint32_t>(__cvta_generic_to_shared(dk + tok0 * kStride + chunk * 8));
+            const uint32_t sv = kQuant ? shared_addr(staged(cV, stage, tok0, chunk))
+                                       : static_cast<uint32_t>(__cvta_generic_to_shared(dv + tok0 * kStride + chunk * 8));
 #pragma unroll
             for (int j = 0; j < kPagesPerTile; ++j) {
                 int page = pages[j];
@@ -370,15 +447,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
                     s_bad = 1;  // the output is poisoned: copy page 0 instead (any valid memory)
                     page = 0;
                 }
-                T const* ks = k_cache + page * page_elems + thread_off;
-                T const* vs = v_cache + page * page_elems + thread_off;
+                C const* ks = k_cache + page * page_elems + thread_off;
+                C const* vs = v_cache + page * page_elems + thread_off;
                 const int page_t0 = t0 + j * BS;
                 const bool has_new = fused && page_t0 + BS > new_begin;  // uniform: the fused write's rows
 #pragma unroll
                 for (int r = 0; r < kItersPerPage; ++r) {
-                    const uint32_t row = (j * kItersPerPage + r) * kTokensPerIter * kStride * sizeof(T);
-                    T const* kr = ks + r * kTokensPerIter * row_elems;
-                    T const* vr = vs + r * kTokensPerIter * row_elems;
+                    const uint32_t row = (j * kItersPerPage + r) * kTokensPerIter * kStageRowBytes;  // bytes
+                    C const* kr = ks + r * kTokensPerIter * row_elems;
+                    C const* vr = vs + r * kTokensPerIter * row_elems;
                     if (has_new) {
                         const int s = page_t0 + r * kTokensPerIter + tok0 - new_begin;  // < Sq: t < hi <= ctx_eff
                         if (s >= 0 && s_slot[s] >= 0) {
@@ -386,8 +463,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
                             vr = new_value + new_row(s, chunk);
                         }
                     }
-                    ptx::cp_async_16(sk + row, kr);
-                    ptx::cp_async_16(sv + row, vr);
+                    if constexpr (kQuant) {
+                        cp_async_8(sk + row, kr);
+                        cp_async_8(sv + row, vr);
+                    } else {
+                        ptx::cp_async_16(sk + row, kr);
+                        ptx::cp_async_16(sv + row, vr);
+                    }
                 }
             }
             return;
@@ -401,8 +483,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             if (!valid && !(zero_tail && t >= t_end)) continue;
             const int page = pages[it * kTokensPerIter / BS];  // compile-time index: stays in registers
             size_t off = 0;
-            T const* ksrc = k_cache;
-            T const* vsrc = v_cache;
+            C const* ksrc = k_cache;
+            C const* vsrc = v_cache;
             if (valid) {
                 const int s = t - new_begin;  // < Sq: t < t_end <= ctx_eff
                 if (fused && s >= 0 && s_slot[s] >= 0) {  // a new token: from the fused write's input
@@ -416,8 +498,45 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
                     off = ((static_cast<size_t>(page) * BS + (t % BS)) * Hkv + kvh) * D + c * 8;
                 }
             }
-            ptx::cp_async_16(dk + tok * kStride + c * 8, ksrc + off, valid);
-            ptx::cp_async_16(dv + tok * kStride + c * 8, vsrc + off, valid);
+            if constexpr (kQuant) {
+                cp_async_8(shared_addr(staged(cK, stage, tok, c)), ksrc + off, valid);
+                cp_async_8(shared_addr(staged(cV, stage, tok, c)), vsrc + off, valid);
+            } else {
+                ptx::cp_async_16(dk + tok * kStride + c * 8, ksrc + off, valid);
+                ptx::cp_async_16(dv + tok * kStride + c * 8, vsrc + off, valid);
+            }
+        }
+    };
+    // Quantized: widen the rows this thread copied into stage `stage` (every row of the tile is
+    // copied or zero-filled by its thread, in both copy_tile paths: rows tok0 + i * kTokensPerIter,
+    // chunk `chunk`) into the fp16 tile. Its own cp.async writes are visible to it after its wait;
+    // the step's barrier then publishes the tile to the other warps.
+    auto widen_tile = [&](int stage) {
+        if constexpr (kQuant) {
+#pragma unroll
+            for (int i = 0; i < kTileTokens / kTokensPerIter; ++i) {
+                const int tok = tok0 + i * kTokensPerIter;
+                const int at = stage * kStageBytes + tok * kStageRowBytes + chunk * 8;
+                *reinterpret_cast<uint4*>(sK + tok * kStride + chunk * 8) =
+                    widen_codes<KV>(*reinterpret_cast<uint2 const*>(cK + at));
+                *reinterpret_cast<uint4*>(sV + tok * kStride + chunk * 8) =
+                    widen_codes<KV>(*reinterpret_cast<uint2 const*>(cV + at));
+            }
+        }
+    };
+    // Quantized: the query registers (rows x columns of D) times K's channel scales (q·k = Σ q_d s_d code_d).
+    // A fragment's registers hold columns kk * 16 + tig * 2 + {0, 1} (0, 1) and + 8 (2, 3).
+    auto scale_query = [&](uint32_t (&qf)[D / 16][4]) {
+        if constexpr (kQuant) {
+            float const* ks = p.k_scale + kvh * D + (threadIdx.x % 4) * 2;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const float2 s = __ldg(reinterpret_cast<float2 const*>(ks + kk * 16 + (r >> 1) * 8));
+                    const float2 q = __half22float2(*reinterpret_cast<__half2 const*>(&qf[kk][r]));
+                    qf[kk][r] = ptx::pack2<T>(q.x * s.x, q.y * s.y);
+                }
         }
     };
 
@@ -443,13 +562,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
 
-    // Prologue: kStages - 1 tiles in flight; every step then issues one more and waits for the oldest.
+    // Prologue: kSt - 1 tiles in flight; every step then issues one more and waits for the oldest.
     // Their table entries (and the first loop tile's) were read together above; from then on each
     // step reads the entries of the tile the next step issues.
     // With prefetch, only their past rows, before the wait; then one group with Q and the rest of
     // those tiles (the new positions), so tile 0 waits for one group more than the steady state.
 #pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
+    for (int i = 0; i < kSt - 1; ++i) {
         if (i < num_tiles) copy_tile(i, i, pro_pages[i], t_begin, past_end, true);
         ptx::cp_async_commit();  // (empty when there is no such tile: the group count stays uniform)
     }
@@ -464,7 +583,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
             __syncthreads();
         }
 #pragma unroll
-        for (int i = 0; i < kStages - 1; ++i)
+        for (int i = 0; i < kSt - 1; ++i)
             if (i < num_tiles && past_end < t_end) copy_tile(i, i, pro_pages[i], past_end, t_end, false);
         ptx::cp_async_commit();
     } else if (fused && !check_early) {
@@ -478,37 +597,41 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         if (prefetch) {
             ptx::cp_async_wait<0>();
         } else {
-            ptx::cp_async_wait<kStages - 1>();
+            ptx::cp_async_wait<kSt - 1>();
         }
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             ptx::ldmatrix_x4(qf[kk], sQ + (warp * 16 + (mi & 1) * 8 + r8) * kStride + kk * 16 + (mi >> 1) * 8);
+        scale_query(qf);
         __syncthreads();
     }
     for (int tile = 0; tile < num_tiles; ++tile) {
-        const int next = tile + kStages - 1;
+        const int next = tile + kSt - 1;
         if (next < num_tiles) {
-            copy_tile(next, next % kStages, next_pages, t_begin, t_end, true);
+            copy_tile(next, next % kSt, next_pages, t_begin, t_end, true);
             read_pages(t_begin, t_end, next + 1, next_pages);  // in flight during this step's wait and math
         }
         ptx::cp_async_commit();
         if (prefetch && tile == 0) {
-            ptx::cp_async_wait<kStages - 2>();  // tiles 0 .. kStages-2 and the Q group
+            ptx::cp_async_wait<kSt - 2>();  // tiles 0 .. kSt-2 and the Q group
         } else {
-            ptx::cp_async_wait<kStages - 1>();
+            ptx::cp_async_wait<kSt - 1>();
         }
+        widen_tile(tile % kSt);  // quantized: this thread's rows of the tile, to fp16
         __syncthreads();
         if (kMT == 1 && tile == 0) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
                 ptx::ldmatrix_x4(qf[kk], sQ + ((mi & 1) * 8 + r8) * kStride + kk * 16 + (mi >> 1) * 8);
+            scale_query(qf);
         }
         // This warp's 16-token chunks of the tile: chunk `warp` (kMT = 1) or all of them.
         constexpr int kCPW = kMT == 1 ? 1 : kTileTokens / 16;
         const int chunk0 = kMT == 1 ? warp : 0;
-        T const* tk = sK + (tile % kStages) * kTileTokens * kStride + chunk0 * 16 * kStride;
-        T const* tv = sV + (tile % kStages) * kTileTokens * kStride + chunk0 * 16 * kStride;
+        // quantized: the one fp16 tile
+        T const* tk = sK + (kQuant ? 0 : tile % kStages) * kTileTokens * kStride + chunk0 * 16 * kStride;
+        T const* tv = sV + (kQuant ? 0 : tile % kStages) * kTileTokens * kStride + chunk0 * 16 * kStride;
 
         // S = Q Kᵀ for each 16-token chunk: two n8 tiles.
         float s[kCPW][2][4];
@@ -646,6 +769,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
         const float sum = s_row_sum[r];
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+        if constexpr (kQuant) {  // V's channel scales (the partials carry them: the merge is linear)
+            const float4 vs = __ldg(reinterpret_cast<float4 const*>(p.v_scale + kvh * D + d));
+            acc.x *= vs.x; acc.y *= vs.y; acc.z *= vs.z; acc.w *= vs.w;
+        }
         if (bad) acc = make_float4(nan, nan, nan, nan);
         // Recomputed rather than read from s_out_row: that read made ptxas allocate 8-60 more
         // registers and the decode grid ran ~2 % slower on an H200 (results/h200_session9_ab3_*).

@@ -17,6 +17,18 @@ One `step()` (vLLM v1's scheduler, scaled down: one token budget, no separate pr
     stop token / stop string / max_new_tokens -> finished, pages freed at once; full blocks just
     written enter the prefix cache
 
+Async scheduling (`SchedulerConfig.async_steps`, runtime/step_pipeline.py): one step stays in flight.
+While step n runs, the next is scheduled as if every row of n goes on (a row that samples at n has one
+token pending: its slot is allocated, its input id is a hole); when n's tokens come back the holes are
+filled and n + 1 is launched at once; only then are n's tokens processed. So `step()` still returns
+the tokens of one completed step, and a request's tokens are those of sync scheduling:
+    a row whose max_new_tokens is reached by its pending token is not scheduled again;
+    a row that stops (stop token or string) or is cancelled while in the launched step: that step's
+        token for it is dropped, and its pages go back only once the step has run (no page is reused
+        while a step that writes it is in flight);
+    preemption first waits for the step in flight (its pages are then safe to hand over);
+    full blocks enter the prefix cache once the step that wrote them has run.
+
 Right padding keeps every query column at a valid position (context_lens >= S), as the paged
 kernels require; it also means a row reaches position computed + S - 1 with padding, so a request
 must leave `chunk - 1` positions of the model's context free (checked when it is added).
@@ -43,6 +55,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.core.kv_layout import PagedStep, paged_step
 from enginesmith.runtime.block_manager import KVCacheManager
 from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.step_pipeline import InFlight, StepPipeline
 
 
 @dataclass(frozen=True)
@@ -71,18 +84,26 @@ class PagedModel(Protocol):
     def run(self, ids: np.ndarray, step: PagedStep, picks: Sequence[Pick]) -> list[int]:
         """One forward of ids [B, S] over `step`, then one token per pick."""
 
+    # Optional: async_steps (bool: the default of SchedulerConfig.async_steps for this model);
+    # launch_returns_early with launch(ids, step, picks) -> a handle whose result() is run's tokens
+    # (the step is queued on the device; runtime/step_pipeline.py then needs no worker thread).
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch: int = 8      # rows per step
     max_tokens: int = 256   # new tokens per step, all rows together
     chunk: int = 64         # new tokens per row per step (prefill chunks); capped by the model's max_chunk
+    async_steps: bool | None = None  # schedule step n+1 while step n runs; None: the model's `async_steps`
 
     def __post_init__(self):
         for name in ("max_batch", "max_tokens", "chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"scheduler {name}={getattr(self, name)!r} must be a positive integer",
                                 f"give {name} >= 1")
+        if self.async_steps not in (None, True, False):
+            raise UserError(f"scheduler async_steps={self.async_steps!r} must be True, False or None",
+                            "give a bool (None: the engine's default)")
 
 
 @dataclass(eq=False)  # compared by identity: the scheduler's list operations stay O(1) per compare
@@ -122,14 +143,51 @@ class StepOutput:
     num_tokens: int                        # real new tokens computed
     width: int = 0                         # S: columns of this step's rows
     pages_used: int = 0                    # pages held after the step (null page not counted)
-    seconds: float = 0.0                   # wall time of the step
+    seconds: float = 0.0                   # wall time of the step (async: from the previous step's tokens to these)
     context_tokens: int = 0                # KV positions the step's rows attend over (sum of context lengths)
+
+
+@dataclass
+class _Forward:
+    """One model forward of a step: its inputs, the requests its picks sample for, and the input ids
+    still unknown when it was prepared: (row, column, request, position in request.tokens)."""
+
+    ids: np.ndarray                 # [B, S] int64
+    step: PagedStep
+    picks: list[Pick]
+    sampled: list[Request]          # one per pick
+    holes: list[tuple[int, int, Request, int]]
+
+
+@dataclass(eq=False)
+class _Step:
+    """A scheduled step, from its preparation to the processing of its tokens."""
+
+    rows: list[Request]
+    counts: list[int]
+    ends: list[int]                 # each row's num_computed once the step has run
+    copies: list
+    forwards: list[_Forward]
+    width: int
+    context: int                    # sum of the rows' context lengths
+    since: float = 0.0              # launched at, or (pipelined) when the step before it came back
+    tokens_at: float = 0.0          # when its tokens came back
+    inflight: InFlight | None = None
+    free_after: list[str] = field(default_factory=list)  # requests that ended under it: pages freed once it ran
+    accepted: list[tuple[Request, int]] = field(default_factory=list)  # tokens appended to their requests
+    members: set = field(init=False)   # its rows (a request in it may not give its pages back)
+    sampling: set = field(init=False)  # the requests it samples a token for
+
+    def __post_init__(self):
+        self.members = set(self.rows)
+        self.sampling = {req for fwd in self.forwards for req in fwd.sampled}
 
 
 class ContinuousBatcher:
     """Runs many requests of different lengths through one paged model, batch changing per step.
 
-    Single-threaded: call add_request / cancel / step from one thread (a server's loop thread)."""
+    Single-threaded: call add_request / cancel / step from one thread (a server's loop thread); with
+    async steps the model runs off that thread (runtime/step_pipeline.py), one step at a time."""
 
     def __init__(self, model: PagedModel, config: SchedulerConfig | None = None,
                  enable_prefix_caching: bool = True, decode: Callable[[Sequence[int]], str] | None = None):
@@ -145,6 +203,11 @@ class ContinuousBatcher:
         self._cancelled: set[str] = set()
         self._ids = itertools.count()
         self._seeds = np.random.SeedSequence()
+        chosen = self.config.async_steps
+        self.async_steps = bool(getattr(model, "async_steps", False) if chosen is None else chosen)
+        self.pipeline = StepPipeline(model, self.async_steps)
+        self._inflight: _Step | None = None  # launched, tokens not back yet
+        self._ready: _Step | None = None     # tokens back, not processed yet
 
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, stop_strings: Sequence[str] = ()) -> None:
         """UserError for a request this batcher could never run (reads only fixed settings: any thread)."""
@@ -199,7 +262,8 @@ class ContinuousBatcher:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests wait or run, or a step is still in flight (step() until False: nothing is lost)."""
+        return bool(self.waiting or self.running) or self._inflight is not None or self._ready is not None
 
     @property
     def pages_used(self) -> int:
@@ -211,14 +275,28 @@ class ContinuousBatcher:
             self.step()
         return {rid: r.output for rid, r in self.finished.items()}
 
+    def close(self) -> None:
+        """Wait for the step in flight and process its tokens (no StepOutput: step() until not
+        has_unfinished to see every token), then end the worker thread. Stepping again is allowed."""
+        self._complete()
+        if self._ready is not None:
+            done, self._ready = self._ready, None
+            self._process(done, [], [], time.perf_counter())
+        self.pipeline.close()
+
     # ------------------------------------------------------------------ scheduling
 
     def _finish(self, req: Request, reason: str, stop=None) -> None:
         req.finish_reason, req.stop_reason, req.finished_at = reason, stop, time.perf_counter()
         if req.request_id in self.manager.seqs:
-            self.manager.free(req.request_id)
+            if self._inflight is not None and req in self._inflight.members:
+                self._inflight.free_after.append(req.request_id)  # the step in flight still writes its pages
+            else:
+                self.manager.free(req.request_id)
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(req)
         self._live.pop(req.request_id, None)
         self.finished[req.request_id] = req
 
@@ -235,11 +313,16 @@ class ContinuousBatcher:
         return gone
 
     def _preempt(self, victim: Request) -> None:
+        assert self._inflight is None, "pages must not be handed over while a step may write them"
         self.manager.free(victim.request_id)
         victim.num_computed = 0
         victim.preemptions += 1
         self.running.remove(victim)
         self.waiting.appendleft(victim)
+
+    def _pending(self, req: Request) -> int:
+        """Tokens of `req` sampled by the step in flight, not yet in req.tokens (0 or 1)."""
+        return int(self._inflight is not None and req in self._inflight.sampling)
 
     def _schedule(self) -> tuple[list[Request], list[int], list, list[str]]:
         cfg = self.config
@@ -249,8 +332,14 @@ class ContinuousBatcher:
         for req in list(self.running):
             if req in victims or len(rows) == cfg.max_batch or budget == 0:
                 continue  # preempted meanwhile, or no room left this step
-            n = min(len(req.tokens) - req.num_computed, self.chunk, budget)
+            pending = self._pending(req)
+            if pending and len(req.output) + pending >= req.max_new_tokens:
+                continue  # its token in flight is its last: it finishes when that step is processed
+            n = min(len(req.tokens) + pending - req.num_computed, self.chunk, budget)
             while (blocks := self.manager.allocate_slots(req.request_id, n)) is None:
+                if self._inflight is not None:
+                    self._complete()  # pages of requests that ended under it come back; preempting is then safe
+                    continue
                 victim = self.running[-1]  # the newest request gives its pages back
                 preempted.append(victim.request_id)
                 victims.add(victim)
@@ -282,15 +371,33 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> StepOutput:
+        """Run one step and process its tokens. Async: launch the next step first (it stays in flight),
+        and return the tokens of the step launched before."""
         start = time.perf_counter()
         cancelled = self._drop_cancelled()
-        rows, counts, copies, preempted = self._schedule()
+        preempted: list[str] = []
+        if self._inflight is None and self._ready is None:  # nothing in flight: this call's own step
+            first = self._prepare(preempted)
+            if first is None:
+                if self.waiting:
+                    raise UserError("no request fits the paged KV pool", "give the batcher more pages")
+                return StepOutput((), {}, tuple(cancelled), tuple(preempted), 0, pages_used=self.pages_used)
+            self._launch(first, start)
+        done = self._inflight or self._ready
+        upcoming = self._prepare(preempted) if self.async_steps else None  # as if every row of `done` goes on
+        self._complete()
+        self._ready = None
+        if upcoming is not None:
+            self._launch(upcoming, done.tokens_at)
+        return self._process(done, cancelled, preempted, start)
+
+    def _prepare(self, preempted: list[str]) -> _Step | None:
+        """Schedule a step and build its inputs (decode ids that the step in flight samples are holes);
+        None when no row is scheduled. The rows' num_computed counts the step from here on."""
+        rows, counts, copies, more = self._schedule()
+        preempted += more
         if not rows:
-            if self.waiting:
-                raise UserError("no request fits the paged KV pool", "give the batcher more pages")
-            return StepOutput((), {}, tuple(cancelled), tuple(preempted), 0, pages_used=self.pages_used)
-        self.model.copy_pages(copies)
-        starts = [req.num_computed for req in rows]
+            return None
         if getattr(self.model, "batch_invariant", False):
             # Single-token rows in a step of width 1, longer chunks in a step of the full chunk width:
             # each row's kernels (the attention's tiling depends on the step width) are then the same
@@ -299,25 +406,87 @@ class ContinuousBatcher:
                       ([i for i, n in enumerate(counts) if n > 1], self.chunk)]
         else:
             groups = [(list(range(len(rows))), max(counts))]
-        sampled, tokens = [], []
-        for members, width in groups:
-            if members:
-                got, toks = self._forward([rows[i] for i in members], [counts[i] for i in members], width)
-                sampled += got
-                tokens += toks
-        now = time.perf_counter()
+        forwards = [self._forward([rows[i] for i in members], [counts[i] for i in members], width)
+                    for members, width in groups if members]
+        context = int(sum(req.num_computed for req in rows) + sum(counts))
+        ends = []
         for req, n in zip(rows, counts):
             req.num_computed += n
-            self.manager.cache_blocks(req.request_id, req.tokens, req.num_computed)
+            ends.append(req.num_computed)
+        return _Step(rows, counts, ends, copies, forwards, max(w for m, w in groups if m), context)
+
+    def _forward(self, rows: list[Request], counts: list[int], width: int) -> _Forward:
+        """Inputs of one model forward over `rows` (counts[r] new tokens each, right-padded to `width`)."""
+        ids = np.zeros((len(rows), width), np.int64)
+        holes = []
+        if width == 1 and min(counts) == 1:  # decode rows: one column, filled at once
+            col = [req.tokens[req.num_computed] if req.num_computed < len(req.tokens) else -1 for req in rows]
+            ids[:, 0] = col
+            holes = [(r, 0, rows[r], rows[r].num_computed) for r, t in enumerate(col) if t < 0]
+        else:
+            for r, (req, n) in enumerate(zip(rows, counts)):
+                known = min(n, len(req.tokens) - req.num_computed)
+                ids[r, :known] = req.tokens[req.num_computed:req.num_computed + known]
+                holes += [(r, c, req, req.num_computed + c) for c in range(known, n)]
+        starts = [req.num_computed for req in rows]
+        block_ids = self.manager.block_ids
+        step = paged_step([block_ids(req.request_id) for req in rows], self.manager.block_size, starts, counts, width)
+        picks, sampled = [], []
+        for r, (req, n) in enumerate(zip(rows, counts)):
+            pending = self._pending(req)
+            if req.num_computed + n == len(req.tokens) + pending:  # the prompt is all computed: sample a token
+                penalty = req.sampling.repetition_penalty != 1.0
+                # history: the live token list, complete (holes' tokens appended) by the time the step runs
+                picks.append(Pick(r, n - 1, req.sampling, req.seed, len(req.output) + pending,
+                                  req.tokens if penalty else None))
+                sampled.append(req)
+        return _Forward(ids, step, picks, sampled, holes)
+
+    def _launch(self, step: _Step, since: float) -> None:
+        """Fill the step's holes (the previous step has run) and hand it to the pipeline."""
+        for fwd in step.forwards:
+            for r, c, req, pos in fwd.holes:
+                assert pos < len(req.tokens), f"{req.request_id}: input token {pos} was never sampled"
+                fwd.ids[r, c] = req.tokens[pos]
+        step.since = since
+        step.inflight = self.pipeline.launch(step.copies, [(f.ids, f.step, f.picks) for f in step.forwards])
+        self._inflight = step
+
+    def _complete(self) -> None:
+        """Wait for the step in flight; append its tokens (dropped for requests that ended meanwhile)
+        and give back the pages of requests that ended under it. It stays `_ready` until processed."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return
+        try:
+            tokens = step.inflight.result()
+        finally:
+            for rid in step.free_after:
+                self.manager.free(rid)
+        step.tokens_at = time.perf_counter()
+        for fwd, got in zip(step.forwards, tokens):
+            for req, token in zip(fwd.sampled, got):
+                if req.finish_reason is None:
+                    req.append(int(token))
+                    step.accepted.append((req, int(token)))
+        self._ready = step
+
+    def _process(self, done: _Step, cancelled: list[str], preempted: list[str], start: float) -> StepOutput:
+        """Prefix-cache the blocks `done` wrote; stop tokens, stop strings and max_new_tokens of its tokens."""
+        for req, end in zip(done.rows, done.ends):
+            if req.finish_reason is None and req.num_computed >= end and req.request_id in self.manager.seqs:
+                self.manager.cache_blocks(req.request_id, req.tokens, end)
+        now = time.perf_counter()
         new_tokens, finished = {}, list(cancelled)
-        for req, token in zip(sampled, tokens):
-            req.append(int(token))
+        for req, token in done.accepted:
+            if req.finish_reason is not None:
+                continue
             if req.first_token_at is None:
                 req.first_token_at = now
-            new_tokens[req.request_id] = int(token)
+            new_tokens[req.request_id] = token
             stop = self._stop_string(req)
             if token in req.stop_token_ids:
-                self._finish(req, "stop", int(token))
+                self._finish(req, "stop", token)
             elif stop is not None:
                 self._finish(req, "stop", stop)
             elif len(req.output) >= req.max_new_tokens:
@@ -325,29 +494,9 @@ class ContinuousBatcher:
             else:
                 continue
             finished.append(req.request_id)
-        return StepOutput(tuple(r.request_id for r in rows), new_tokens, tuple(finished), tuple(preempted),
-                          int(sum(counts)), max(w for m, w in groups if m), self.pages_used, time.perf_counter() - start,
-                          int(sum(starts) + sum(counts)))
-
-    def _forward(self, rows: list[Request], counts: list[int], width: int) -> tuple[list[Request], list[int]]:
-        """One model step over `rows` (counts[r] new tokens each, right-padded to `width`): the rows
-        that sampled a token, and their tokens."""
-        ids = np.zeros((len(rows), width), np.int64)
-        if width == 1 and min(counts) == 1:  # decode rows: one column, filled at once
-            ids[:, 0] = [req.tokens[req.num_computed] for req in rows]
-        else:
-            for r, (req, n) in enumerate(zip(rows, counts)):
-                ids[r, :n] = req.tokens[req.num_computed:req.num_computed + n]
-        starts = [req.num_computed for req in rows]
-        block_ids = self.manager.block_ids
-        step = paged_step([block_ids(req.request_id) for req in rows], self.manager.block_size, starts, counts, width)
-        picks, sampled = [], []
-        for r, (req, n) in enumerate(zip(rows, counts)):
-            if req.num_computed + n == len(req.tokens):  # the prompt is all computed: sample a token
-                penalty = req.sampling.repetition_penalty != 1.0
-                picks.append(Pick(r, n - 1, req.sampling, req.seed, len(req.output), req.tokens if penalty else None))
-                sampled.append(req)
-        return sampled, self.model.run(ids, step, picks)
+        seconds = done.tokens_at - done.since if self.async_steps else time.perf_counter() - start
+        return StepOutput(tuple(r.request_id for r in done.rows), new_tokens, tuple(finished), tuple(preempted),
+                          int(sum(done.counts)), done.width, self.pages_used, seconds, done.context)
 
     def _stop_string(self, req: Request) -> str | None:
         """The first stop string in the output's text that the last token may have completed: only the
@@ -371,6 +520,14 @@ def batched_ids(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tok
     rows = [batcher.add_request(p, max_new_tokens, stop_token_ids,
                                 replace(sampling, seed=None if sampling.seed is None else sampling.seed + r))
             for r, p in enumerate(prompts)]
+    try:
+        yield from _lockstep(batcher, rows, max_new_tokens)
+    finally:
+        batcher.close()  # a step still in flight (async) ends with the generator
+
+
+def _lockstep(batcher: ContinuousBatcher, rows: list[str], max_new_tokens: int
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     emitted = 0
     while True:
         reqs = [batcher.request(rid) for rid in rows]

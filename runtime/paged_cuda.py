@@ -11,7 +11,10 @@ MB block-table width (= ceil(capacity / BS)), V vocab.
 
 Memory:
     kv  [L, 2, NB, BS, Hkv, D]  one device tensor; layer i's pools kv[i, 0] / kv[i, 1] are bound as
-                                both past_key_values.i.* and present.i.* (the op writes in place)
+                                both past_key_values.i.* and present.i.* (the op writes in place); of
+                                the graph's pool type: fp16, or int8 / uint8 (fp8 e4m3) codes of a
+                                `build --kv-dtype int8|fp8` engine (half the bytes: twice the pages;
+                                the scales are constants in the graph)
     NB  from free GPU memory after a warm-up at the largest step shape (weights and ORT's activation
         arena are then resident): (total * gpu_memory_utilization - used) / bytes per page
 
@@ -24,6 +27,10 @@ A step:
                            sampled rows draw with a generator seeded by (request seed, token index),
                            so a request's tokens do not depend on its batch-mates; only the token ids
                            [P] come back to the host
+    launch / run           `launch` queues all of the above (host inputs through pinned staging, the
+                           token ids into pinned memory, an event after them) and returns at once;
+                           `result()` waits for the event. `run` = launch + result. The scheduler's
+                           async steps use `launch`: its host work for the next step runs meanwhile
 On the CPU (tests, CI) the same graph runs through the ops' CPU kernels, with no graphs.
 """
 
@@ -66,6 +73,19 @@ class _Bucket:
     runs: int = 0
     graph: object = None
     host: dict = field(default_factory=dict)  # pinned staging copies of the inputs
+    staged: object = None  # CUDA event after the staging copies: `host` may be rewritten once it is done
+
+
+class _Pending:
+    """Token ids [P] of a launched step: on their way to pinned host memory (CUDA) or already there."""
+
+    def __init__(self, tokens, done=None):
+        self.tokens, self.done = tokens, done
+
+    def result(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens.tolist()
 
 
 def _pow2_buckets(max_batch: int) -> list[int]:
@@ -122,7 +142,8 @@ class PagedCudaEngine:
         self.max_batch = max_batch
         # the ORT ops read ES_BATCH_INVARIANT once per process; the scheduler then groups rows by width
         self.batch_invariant = os.environ.get("ES_BATCH_INVARIANT") == "1"
-        self.dtype = torch.float16 if "float16" in first.type else torch.float32
+        self.dtype = {"tensor(float16)": torch.float16, "tensor(int8)": torch.int8,
+                      "tensor(uint8)": torch.uint8}.get(first.type, torch.float32)  # the pools' element
         logits_type = self.session.get_outputs()[0].type
         self.logits_dtype = torch.float16 if "float16" in logits_type else torch.float32
         self.layers = len(self.past_names) // 2
@@ -132,6 +153,11 @@ class PagedCudaEngine:
         self.weight_bytes = weight_bytes
         self.buckets = _pow2_buckets(max_batch)
         self._buckets: dict[int, _Bucket] = {}
+        # The scheduler may prepare step n+1 while step n runs (launch returns at once on CUDA; on the CPU
+        # launch computes the step). Opt-in (ES_ASYNC_STEPS=1, or SchedulerConfig(async_steps=True)) until
+        # it has run on a GPU: written and tested on the CPU only.
+        self.launch_returns_early = self.device == "cuda"
+        self.async_steps = self.launch_returns_early and os.environ.get("ES_ASYNC_STEPS") == "1"
         if num_pages is None:
             num_pages = self._pages_from_memory(gpu_memory_utilization) if self.device == "cuda" else CPU_PAGES
         if num_pages < 2:
@@ -171,14 +197,22 @@ class PagedCudaEngine:
             options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
 
+    def _to_device(self, values, dtype):
+        """A host array (or list) on the device without a host sync: through pinned memory on CUDA (a
+        pageable copy waits for the stream, i.e. for the step queued before it)."""
+        torch = _torch()
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype))
+        if self.device != "cuda":
+            return t
+        return t.pin_memory().to(self.torch_device, non_blocking=True)
+
     def _plain(self, kv, ids: np.ndarray, tables: np.ndarray, context: np.ndarray, slots: np.ndarray):
         torch = _torch()
-        dev = self.torch_device
-        t_ids = torch.from_numpy(np.ascontiguousarray(ids, np.int64)).to(dev)
-        t_tables = torch.from_numpy(np.ascontiguousarray(tables, np.int32)).to(dev)
-        t_ctx = torch.from_numpy(np.ascontiguousarray(context, np.int32)).to(dev)
-        t_slots = torch.from_numpy(np.ascontiguousarray(slots, np.int32)).to(dev)
-        logits = torch.empty(*ids.shape, self.vocab, dtype=self.logits_dtype, device=dev)
+        t_ids = self._to_device(ids, np.int64)
+        t_tables = self._to_device(tables, np.int32)
+        t_ctx = self._to_device(context, np.int32)
+        t_slots = self._to_device(slots, np.int32)
+        logits = torch.empty(*ids.shape, self.vocab, dtype=self.logits_dtype, device=self.torch_device)
         self._run(self._binding(kv, t_ids, t_tables, t_ctx, t_slots, logits))
         return logits
 
@@ -231,6 +265,8 @@ class PagedCudaEngine:
         """A decode-only step through its batch bucket: device logits [B, V]."""
         batch = ids.shape[0]
         bucket = self._bucket(batch)
+        if bucket.staged is not None:  # the last copies out of the staging buffers must be done
+            bucket.staged.synchronize()
         h = bucket.host
         h["ids"].zero_()
         h["tables"].zero_()
@@ -243,9 +279,11 @@ class PagedCudaEngine:
         cuda = self.device == "cuda"
         for name in ("ids", "tables", "context", "slots"):
             getattr(bucket, name).copy_(h[name], non_blocking=cuda)
+        if cuda:  # the pinned staging buffers are rewritten next step, once these copies are done
+            if bucket.staged is None:
+                bucket.staged = _torch().cuda.Event()
+            bucket.staged.record(self.stream)
         self._replay(bucket)
-        if cuda:  # the pinned staging buffers are rewritten next step: wait until these copies are done
-            self.stream.synchronize()
         return bucket.logits[:batch, 0]
 
     # ------------------------------------------------------------------ the PagedModel interface
@@ -253,13 +291,16 @@ class PagedCudaEngine:
         copies = list(copies)
         if not copies:
             return
-        torch = _torch()
-        src = torch.tensor([s for s, _ in copies], device=self.torch_device)
-        dst = torch.tensor([d for _, d in copies], device=self.torch_device)
-        with self._on_stream():
+        with self._on_stream():  # queued before the step that reads the copies
+            src = self._to_device([s for s, _ in copies], np.int64)
+            dst = self._to_device([d for _, d in copies], np.int64)
             self.kv[:, :, dst] = self.kv[:, :, src]
 
     def run(self, ids: np.ndarray, step: PagedStep, picks) -> list[int]:
+        return self.launch(ids, step, picks).result()
+
+    def launch(self, ids: np.ndarray, step: PagedStep, picks) -> _Pending:
+        """Queue the step (forward and sampling) on the engine's stream; `.result()` gives the token ids."""
         batch, width = ids.shape
         if batch > self.max_batch:
             raise UserError(f"a step of {batch} rows exceeds this engine's max_batch {self.max_batch}",
@@ -272,20 +313,28 @@ class PagedCudaEngine:
             raise UserError(f"a row reaches position {int(step.context_lens.max())}, beyond the engine's "
                             f"{self.max_blocks * self.page_size}", "use shorter requests")
         torch = _torch()
+        rows = [p.row for p in picks]
         with self._on_stream():
             if width == 1 and self.graph_mode == "torch":
                 logits = self._decode(ids, step.block_tables, step.context_lens, step.slot_mapping)
-                chosen = logits[[p.row for p in picks]]
+                in_order = rows == list(range(len(rows)))  # every decode row samples: a view, no index copy
+                chosen = logits[:len(rows)] if in_order else logits[self._to_device(rows, np.int64)]
             else:
                 tables = np.zeros((batch, self.max_blocks), np.int32)
                 tables[:, :step.block_tables.shape[1]] = step.block_tables
                 logits = self._plain(self.kv, ids, tables, step.context_lens, step.slot_mapping)
-                rows = torch.tensor([p.row for p in picks], device=self.torch_device, dtype=torch.long)
-                cols = torch.tensor([p.col for p in picks], device=self.torch_device, dtype=torch.long)
-                chosen = logits[rows, cols]
+                index = self._to_device([rows, [p.col for p in picks]], np.int64)
+                chosen = logits[index[0], index[1]]
             if not picks:
-                return []
-            return self._sample(chosen, picks).cpu().tolist()
+                return _Pending(torch.empty(0, dtype=torch.int64))
+            tokens = self._sample(chosen, picks)
+            if self.device != "cuda":
+                return _Pending(tokens)
+            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            return _Pending(host, done)
 
     def _sample(self, logits, picks):
         """Token ids [P] (torch, on the device) for the picked rows' logits [P, V]."""
@@ -295,7 +344,7 @@ class PagedCudaEngine:
             return device_argmax(logits)
         out = torch.empty(len(picks), dtype=torch.int64, device=logits.device)
         if plain:
-            index = torch.tensor(plain, device=logits.device)
+            index = self._to_device(plain, np.int64)
             out[index] = device_argmax(logits[index])
         for i, pick in enumerate(picks):
             if i in plain:
@@ -303,7 +352,7 @@ class PagedCudaEngine:
             seen = None
             if pick.history is not None:
                 seen = torch.zeros(1, logits.shape[-1], dtype=torch.bool, device=logits.device)
-                seen[0, torch.tensor(list(pick.history), device=logits.device)] = True
+                seen[0, self._to_device(list(pick.history), np.int64)] = True
             generator = torch.Generator(logits.device)
             generator.manual_seed(noise_seed(pick.seed, pick.index))
             out[i] = sample_on_device(logits[i:i + 1], pick.sampling, generator, seen)[0]

@@ -13,7 +13,9 @@ Admission: a request that can never fit (empty, too long for the engine or the p
 raises Overloaded (the caller's 429/503 with Retry-After): no unbounded queue. `drain()` stops
 taking requests and waits until those in flight end (SIGTERM); `close()` cancels what is left.
 
-The batcher is touched only by the loop thread. `stats()` is a consistent snapshot for /metrics:
+The batcher is touched only by the loop thread (with async steps the engine's step runs beside it:
+runtime/step_pipeline.py; a step is published once its tokens are back, and close() waits for the
+step in flight). `stats()` is a consistent snapshot for /metrics:
 running, waiting, KV pages used, tokens and requests so far, and the time-to-first-token and
 inter-token-latency observations (histograms in serving/metrics.py).
 """
@@ -161,16 +163,19 @@ class BatcherLoop:
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._take_inbox(block=not self.batcher.has_unfinished)
-            if self._stop.is_set() or not self.batcher.has_unfinished:
-                continue
-            try:
-                out = self.batcher.step()
-            except Exception as exc:  # an engine failure ends every request in flight, not the server
-                self._fail_all(f"the engine failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-                continue
-            self._publish(out)
+        try:
+            while not self._stop.is_set():
+                self._take_inbox(block=not self.batcher.has_unfinished)
+                if self._stop.is_set() or not self.batcher.has_unfinished:
+                    continue
+                try:
+                    out = self.batcher.step()
+                except Exception as exc:  # an engine failure ends every request in flight, not the server
+                    self._fail_all(f"the engine failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                    continue
+                self._publish(out)
+        finally:
+            self.batcher.close()  # with async steps: the step in flight ends, and the worker thread
 
     def _take_inbox(self, block: bool) -> None:
         try:

@@ -1,9 +1,15 @@
 """Continuous batching over a paged engine (runtime/batching.py) on ORT CPU: requests of different
 lengths join and leave the batch every step, prompts are prefilled in chunks next to decode rows,
 shared prompt prefixes are taken from the prefix cache, a small pool forces preemption; every
-request's greedy output equals the request run alone (dense engine, runtime.generate)."""
+request's greedy output equals the request run alone (dense engine, runtime.generate), with sync and
+async scheduling (one step in flight while the next is scheduled). Async scheduling under random load
+(stop tokens and strings, cancellations, preemption in a tiny pool, seeded sampling) gives the sync
+scheduler's tokens and every page back; a fake model's timeline shows the host work beside its steps."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +19,7 @@ from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.generate import GenerationConfig, generate_ids
 from enginesmith.runtime.kv_paged import OrtPagedModel
 from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.runtime.sampling import SamplingParams
 from test_kv_paged import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
 
 VOCAB = 49152
@@ -53,13 +60,15 @@ def run_checked(batcher: ContinuousBatcher) -> list:
     return steps
 
 
-@pytest.mark.parametrize("family,page_size", [("llama", 4), ("qwen2", 16)])
-def test_batched_output_equals_each_request_alone(family, page_size, engines):
+@pytest.mark.parametrize("family,page_size,async_steps", [("llama", 4, False), ("qwen2", 16, False),
+                                                         ("llama", 4, True), ("qwen2", 16, True)])
+def test_batched_output_equals_each_request_alone(family, page_size, async_steps, engines):
     dense, paged_engine = engines(family, page_size)
     rng = np.random.default_rng(0)
     lengths, budgets = (1, 30, 7, 19, 3, 12, 25), (9, 4, 14, 6, 11, 8, 5)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
-    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 64), config=SchedulerConfig(max_batch=3, max_tokens=16, chunk=8))
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 64),
+                                config=SchedulerConfig(max_batch=3, max_tokens=16, chunk=8, async_steps=async_steps))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     for rid, prompt, budget in zip(ids, prompts, budgets):
@@ -72,14 +81,16 @@ def test_batched_output_equals_each_request_alone(family, page_size, engines):
     assert len(steps) < sum(budgets)  # fewer steps than running the requests one after another
 
 
-def test_prefix_sharing_and_preemption_keep_outputs_exact(engines):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_prefix_sharing_and_preemption_keep_outputs_exact(async_steps, engines):
     dense, paged_engine = engines("llama", 4)
     rng = np.random.default_rng(1)
     system = rng.integers(0, VOCAB, 13).tolist()             # 3 full pages of 4 shared
     prompts = [system + rng.integers(0, VOCAB, n).tolist() for n in (2, 5, 1, 9)] + [rng.integers(0, VOCAB, 6).tolist()]
     budgets = [12, 10, 14, 9, 12]
     # 12 usable pages of 4 tokens: not enough for everything at once -> preemption (recompute).
-    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 13), config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32))
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 13),
+                                config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32, async_steps=async_steps))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     requests = [batcher.finished[r] for r in ids]
@@ -89,13 +100,14 @@ def test_prefix_sharing_and_preemption_keep_outputs_exact(engines):
     assert sum(len(s.preempted) for s in steps) >= 1 and any(r.preemptions for r in requests)
 
 
-def test_stop_tokens_finish_a_request_early(engines):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_stop_tokens_finish_a_request_early(async_steps, engines):
     dense, paged_engine = engines("llama", 4)
     prompt = [7, 8, 9, 10, 11]
     reference = alone(dense, prompt, 8)
     stop = reference[3]
     cut = reference.index(stop)
-    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 16))
+    batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 16), SchedulerConfig(async_steps=async_steps))
     rid = batcher.add_request(prompt, 8, stop_token_ids=[stop])
     other = batcher.add_request([1, 2, 3], 6)
     run_checked(batcher)
@@ -116,3 +128,130 @@ def test_bad_requests_and_settings_are_refused(engines):
         batcher.add_request([1], 0)
     with pytest.raises(UserError, match="chunk=0"):
         SchedulerConfig(chunk=0)
+
+
+def letters(ids) -> str:
+    """A stand-in tokenizer for stop strings: token t is one letter."""
+    return "".join(chr(97 + int(t) % 26) for t in ids)
+
+
+def random_load(model, async_steps: bool, cancel_at: dict) -> tuple[ContinuousBatcher, list[str], list]:
+    rng = np.random.default_rng(3)
+    batcher = ContinuousBatcher(model, SchedulerConfig(max_batch=5, max_tokens=24, chunk=8, async_steps=async_steps),
+                                decode=letters)
+    ids = []
+    for i in range(24):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist()
+        sampling = SamplingParams(temperature=float(rng.choice([0.0, 0.9])), seed=i)
+        stop = rng.integers(0, VOCAB, 8000).tolist() if i % 4 == 0 else []  # 1 in 6 tokens stops
+        strings = (letters(rng.integers(0, 26, 1)),) if i % 3 == 0 else ()  # 1 in 26 tokens stops
+        ids.append(batcher.add_request(prompt, int(rng.integers(1, 16)), stop, sampling, stop_strings=strings))
+    pending = {k: list(v) for k, v in cancel_at.items()}
+    steps = []
+    while batcher.has_unfinished:
+        for rid in pending.pop(len(steps), []):
+            batcher.cancel(rid)
+        steps.append(batcher.step())
+        batcher.manager.check_invariants()
+    assert batcher.manager.seqs == {} and batcher.pages_used == 0  # every page back in the pool
+    batcher.close()
+    return batcher, ids, steps
+
+
+def test_async_steps_under_random_load_give_the_sync_tokens_and_every_page_back(engines):
+    """Stop tokens and strings, cancellations, seeded sampling and preemption (11 pages of 4 for up to 5
+    rows): each request's tokens equal the sync scheduler's (a cancelled one's: a prefix of them)."""
+    _, paged_engine = engines("llama", 4)
+    cancel_at = {2: ["req1", "req9"], 6: ["req14"], 9: ["req20", "unknown"]}
+    sync, ids, _ = random_load(OrtPagedModel(paged_engine, 12), False, {})
+    run, _, steps = random_load(OrtPagedModel(paged_engine, 12), True, cancel_at)
+    reasons = {run.finished[r].finish_reason for r in ids}
+    assert {"stop", "length", "cancelled"} <= reasons
+    assert any(isinstance(run.finished[r].stop_reason, str) for r in ids)  # a stop string ended one
+    assert sum(len(s.preempted) for s in steps) >= 1
+    for rid in ids:
+        got, want = run.finished[rid], sync.finished[rid]
+        if got.finish_reason == "cancelled":
+            assert got.output == want.output[:len(got.output)], rid
+        else:
+            assert (got.output, got.finish_reason, got.stop_reason) == \
+                (want.output, want.finish_reason, want.stop_reason), rid
+    # the StepOutput contract: every token is reported once, by the step that computed it
+    reported: dict[str, list[int]] = {}
+    for s in steps:
+        for rid, token in s.new_tokens.items():
+            reported.setdefault(rid, []).append(token)
+    assert all(reported.get(rid, []) == run.finished[rid].output for rid in ids)
+
+
+class SleepyModel:
+    """A PagedModel whose step is a GIL-free sleep (as a device step is); it records when each ran."""
+
+    num_pages, page_size, max_chunk, max_positions = 1024, 16, None, None
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.runs: list[tuple[float, float]] = []
+
+    def copy_pages(self, copies) -> None:
+        pass
+
+    def run(self, ids, step, picks) -> list[int]:
+        t0 = time.perf_counter()
+        time.sleep(self.step_s)
+        self.runs.append((t0, time.perf_counter()))
+        return [1000 + p.index for p in picks]
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # holds the GIL, as the scheduler's Python does
+        pass
+
+
+def timeline(async_steps: bool, host_s: float = 0.01, step_s: float = 0.02) -> tuple[float, SleepyModel, list]:
+    model = SleepyModel(step_s)
+    host: list[tuple[float, float]] = []
+
+    def slow_decode(ids) -> str:  # the host's token processing (a stop-string check), made slow
+        t0 = time.perf_counter()
+        busy(host_s)
+        host.append((t0, time.perf_counter()))
+        return ""
+
+    batcher = ContinuousBatcher(model, SchedulerConfig(max_batch=4, async_steps=async_steps), decode=slow_decode)
+    rid = batcher.add_request([1, 2, 3], 12, stop_strings=("never",))
+    start = time.perf_counter()
+    batcher.run()
+    wall = time.perf_counter() - start
+    batcher.close()
+    assert batcher.finished[rid].output == [1000 + i for i in range(12)]
+    return wall, model, host
+
+
+def test_async_steps_run_the_host_work_beside_the_model_step():
+    sync_wall, sync_model, sync_host = timeline(False)
+    wall, model, host = timeline(True)
+    assert threading.active_count() < 50  # the worker threads ended with close()
+
+    def inside(t, runs):
+        return any(a <= t <= b for a, b in runs)
+
+    # sync: token processing never runs while the model runs; async: nearly always (not the last step's)
+    assert not any(inside((a + b) / 2, sync_model.runs) for a, b in sync_host)
+    assert sum(inside((a + b) / 2, model.runs) for a, b in host) >= len(host) - 2
+    assert len(model.runs) == len(sync_model.runs) == 12
+    assert wall < 0.9 * sync_wall, (wall, sync_wall)  # ~ max(host, step) per step, not their sum
+
+
+def test_close_takes_the_step_in_flight_and_stepping_may_go_on():
+    batcher = ContinuousBatcher(SleepyModel(0.0), SchedulerConfig(max_batch=2, async_steps=True))
+    ids = [batcher.add_request([1, 2, 3], 6) for _ in range(3)]
+    for _ in range(3):
+        batcher.step()
+    batcher.close()  # the speculative step's tokens are appended and checked, not lost
+    assert sum(len(batcher.request(r).output) for r in ids) == 8  # 4 steps of 2 rows
+    batcher.run()
+    batcher.close()
+    assert [batcher.finished[r].output for r in ids] == [[1000 + i for i in range(6)]] * 3
+    assert batcher.pages_used == 0 and not batcher.has_unfinished

@@ -3,7 +3,10 @@
 CPU (here and in CI): the engine runs the paged-GQA graph through the ORT ops' CPU kernels, no CUDA
 graphs. Batched greedy outputs equal each request run alone (the same engine, one request at a time);
 a seeded sampled request draws the same tokens whatever it is batched with; random load with
-cancellations and preemption gives every page back; `run`'s generate path goes through the batcher.
+cancellations and preemption gives every page back (sync and async scheduling); `run`'s generate path
+goes through the batcher. Async scheduling is opt-in (SchedulerConfig(async_steps=True), or ES_ASYNC_STEPS=1
+for the CUDA engine's default: through `launch`, no thread) until it has run on a GPU; here the batched runs
+are async (steps in the scheduler's worker thread), the GPU tests run both.
 GPU (marked gpu, run on the device machine): 32 mixed-length requests batched equal each alone in
 batch-invariant mode (decode steps through the CUDA-graph buckets, chunked prefill beside decodes); 2,000 random requests finish
 with every page back in the pool; the pool is sized from free GPU memory.
@@ -71,12 +74,14 @@ def _run_checked(batcher: ContinuousBatcher, cancel_at: dict | None = None) -> l
     return steps
 
 
-def _batched_equals_alone(engine, n: int, seed: int, max_batch: int, max_tokens: int) -> None:
+def _batched_equals_alone(engine, n: int, seed: int, max_batch: int, max_tokens: int,
+                          async_steps: bool | None = None) -> None:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 90, n)
     budgets = rng.integers(1, 40, n)
     prompts = [rng.integers(0, VOCAB, int(k)).tolist() for k in lengths]
-    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=max_batch, max_tokens=max_tokens, chunk=16))
+    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=max_batch, max_tokens=max_tokens, chunk=16,
+                                                        async_steps=async_steps))
     ids = [batcher.add_request(p, int(b)) for p, b in zip(prompts, budgets)]
     steps = _run_checked(batcher)
     assert max(len(s.scheduled) for s in steps) == max_batch
@@ -94,7 +99,7 @@ def test_batched_greedy_equals_each_request_alone_cpu(paged_dir, invariant):
     ES_BATCH_INVARIANT=1 turns on for the CUDA engine, keeps the outputs too."""
     engine = _engine(paged_dir)
     engine.batch_invariant = invariant
-    _batched_equals_alone(engine, n=8, seed=0, max_batch=4, max_tokens=40)
+    _batched_equals_alone(engine, n=8, seed=0, max_batch=4, max_tokens=40, async_steps=True)  # alone: sync
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(paged_dir):
@@ -102,7 +107,7 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(paged_dir):
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234)
     prompt = list(range(100, 130))
     alone = _alone(engine, prompt, 12, params)
-    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=4, max_tokens=40, chunk=16))
+    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=4, max_tokens=40, chunk=16, async_steps=True))
     rid = batcher.add_request(prompt, 12, sampling=params)
     for k in range(3):
         batcher.add_request(list(range(7 * k, 7 * k + 20)), 9, sampling=SamplingParams(temperature=1.0, seed=k))
@@ -112,10 +117,11 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(paged_dir):
     assert other != alone  # the seed matters (a different draw, not a constant)
 
 
-def test_random_load_with_cancellation_and_preemption_leaks_no_page(paged_dir):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_random_load_with_cancellation_and_preemption_leaks_no_page(paged_dir, async_steps):
     engine = _engine(paged_dir, num_pages=12)  # 11 usable pages of 16: preemption under this load
     rng = np.random.default_rng(5)
-    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=6, max_tokens=48, chunk=16))
+    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=6, max_tokens=48, chunk=16, async_steps=async_steps))
     ids = []
     for i in range(30):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 70))).tolist()
@@ -173,15 +179,18 @@ def test_gpu_identity_in_an_invariant_process(paged_dir):
     engine = _engine(paged_dir, device="cuda", num_pages=512, max_batch=32)
     assert engine.batch_invariant
     _batched_equals_alone(engine, n=32, seed=1, max_batch=32, max_tokens=512)
+    _batched_equals_alone(engine, n=32, seed=1, max_batch=32, max_tokens=512, async_steps=True)
     assert engine._buckets and any(b.graph is not None for b in engine._buckets.values())
 
 
 @gpu
 @needs_cuda
-def test_gpu_2000_random_requests_give_every_page_back(paged_dir):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_gpu_2000_random_requests_give_every_page_back(paged_dir, async_steps):
     engine = _engine(paged_dir, device="cuda", num_pages=160, max_batch=8)
     rng = np.random.default_rng(7)
-    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=8, max_tokens=128, chunk=16))
+    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=8, max_tokens=128, chunk=16,
+                                                        async_steps=async_steps))
     for i in range(2000):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 120))).tolist()
         batcher.add_request(prompt, int(rng.integers(1, 12)),

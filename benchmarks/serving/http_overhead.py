@@ -55,6 +55,7 @@ class FakePagedModel:
     per pick, a function of (the request's seed, the token's index)."""
 
     max_chunk = None
+    async_steps = True  # as the CUDA engine it stands for: the scheduler prepares step n+1 during step n
 
     def __init__(self, vocab: int, step_s: float, num_pages: int = 1 << 14, page_size: int = 16,
                  max_positions: int = 8192):
@@ -226,6 +227,8 @@ def main() -> int:
     p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"), help="uvicorn's HTTP parser")
     p.add_argument("--switch-interval", type=float, default=None, metavar="S",
                    help="sys.setswitchinterval for this process (default: the interpreter's, 0.005 s)")
+    p.add_argument("--sync-steps", action="store_true",
+                   help="schedule each step after the last one's tokens (default: async, one step in flight)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for one client run")
     p.add_argument("--procs", default="1", metavar="K|auto", help="the client's processes (bench serve --procs)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
@@ -240,7 +243,7 @@ def main() -> int:
     tokenizer = loaded.tokenizer
     model = FakePagedModel(loaded.manifest.model.vocab or len(tokenizer), args.step_ms / 1000)
     scheduler = SchedulerConfig(max_batch=args.max_batch, max_tokens=max(256, args.max_batch + args.chunk),
-                                chunk=args.chunk)
+                                chunk=args.chunk, async_steps=not args.sync_steps)
     loop = BatcherLoop(model, scheduler, max_waiting=4096,
                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     app = make_app(loaded, loop, "fake")
@@ -250,7 +253,8 @@ def main() -> int:
     results: list[dict] = []
     driver = threading.Thread(target=drive, args=(server, loop, model, engine, args, results), daemon=True)
     driver.start()
-    print(f"http_overhead: fake engine, step {args.step_ms:g} ms, max batch {args.max_batch}, prompt "
+    print(f"http_overhead: fake engine, step {args.step_ms:g} ms ({'sync' if args.sync_steps else 'async'} steps), "
+          f"max batch {args.max_batch}, prompt "
           f"{args.prompt_tokens} / output {args.new_tokens} tokens, uvicorn loop={args.loop} http={args.http}, "
           f"{os.cpu_count()} CPUs", flush=True)
     try:

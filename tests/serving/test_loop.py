@@ -1,7 +1,7 @@
 """serving/loop.py: the one scheduler loop behind every front door, on a tiny paged CPU engine.
 
 Requests submitted from many threads at once come back with the tokens each gets alone; a cancelled
-request ends and its pages return; beyond max_waiting, submit raises Overloaded; drain waits for the
+request ends and its pages return (both with sync and async scheduling); beyond max_waiting, submit raises Overloaded; drain waits for the
 requests in flight and then refuses new ones; an impossible request is refused in submit."""
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def alone(engine, prompt, n) -> list[int]:
     return b.finished[rid].output
 
 
-def test_threads_submitting_at_once_get_each_requests_own_tokens(engine):
-    loop = BatcherLoop(OrtPagedModel(engine, 96), SchedulerConfig(max_batch=4, max_tokens=32, chunk=8))
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_threads_submitting_at_once_get_each_requests_own_tokens(engine, async_steps):
+    loop = BatcherLoop(OrtPagedModel(engine, 96),
+                       SchedulerConfig(max_batch=4, max_tokens=32, chunk=8, async_steps=async_steps))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 20, 10)]
     results: dict[int, tuple] = {}
@@ -74,8 +76,9 @@ def test_threads_submitting_at_once_get_each_requests_own_tokens(engine):
         loop.close()
 
 
-def test_cancel_ends_a_request_and_returns_its_pages(engine):
-    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=2))
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_cancel_ends_a_request_and_returns_its_pages(engine, async_steps):
+    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=2, async_steps=async_steps))
     try:
         handle = loop.submit(list(range(30)), 200)
         assert handle.events.get(timeout=60)[0] == "token"
@@ -107,8 +110,9 @@ def test_overload_is_refused_not_queued_without_bound(engine):
         loop.close()
 
 
-def test_drain_finishes_what_is_in_flight_then_refuses(engine):
-    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=2))
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_drain_finishes_what_is_in_flight_then_refuses(engine, async_steps):
+    loop = BatcherLoop(OrtPagedModel(engine, 64), SchedulerConfig(max_batch=2, async_steps=async_steps))
     try:
         handles = [loop.submit([5, 6, 7], 10) for _ in range(3)]
         assert loop.drain(timeout=120)

@@ -119,7 +119,10 @@ def test_each_request_ttft_and_gaps_follow_the_server(server):
     out = asyncio.run(one())
     assert out.error_kind is None and out.tokens() == (4, "usage") and out.text == [" t0", " t1", " t2", " t3"]
     assert out.chunk_times[0] - out.sent >= 0.12
-    assert all(b - a >= 0.03 for a, b in zip(out.chunk_times, out.chunk_times[1:]))
+    # each chunk is timed when it is read: the 3 gaps of >= 30 ms together (a loaded machine may deliver two
+    # chunks in one read, so one gap alone is not bounded), and in order
+    assert out.chunk_times[-1] - out.chunk_times[0] >= 3 * 0.03
+    assert all(b >= a for a, b in zip(out.chunk_times, out.chunk_times[1:]))
 
 
 def test_triton_several_tokens_per_event_count_by_token_ids(server):

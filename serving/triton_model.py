@@ -404,12 +404,14 @@ class TritonPythonModel:
     def _submit(self, request: Any) -> None:
         """A paged engine: check one request and hand it to the scheduler loop, or answer its error."""
         sender = request.get_response_sender()
+        batched = self.batched
+        assert batched is not None, "_submit serves a paged engine (execute checks)"
         try:
             if self.stopping.is_set():
                 raise Draining()
             settings = request_settings(self._values(request), self.options.max_tokens)
             ids = prompt_ids(self.loaded.tokenizer, settings, self.options.special_tokens_in_text)
-            self.batched.submit(request, sender, ids, settings.max_tokens, settings.sampling, settings.stop)
+            batched.submit(request, sender, ids, settings.max_tokens, settings.sampling, settings.stop)
         except UserError as exc:
             self.replies.error(sender, str(exc), "INVALID_ARG")
         except Overloaded as exc:

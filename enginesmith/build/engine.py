@@ -318,16 +318,17 @@ def _plain_source(config: BuildConfig, dtype: str, opset: int) -> BuildConfig:
                    preset=None, trt_version=None, dtype=dtype, opset=opset)
 
 
-def steps(config: BuildConfig, max_positions: int | None = None) -> list:
+def steps(config: BuildConfig, max_positions: int | None = None, unfused_attention: bool = False) -> list:
     """The pass steps of a build, in order: quantization preset and/or explicit passes, the KV layout,
     the lowering for the target (empty for a plain dense ort-cpu or trt engine). An ort-cuda build's
-    KV capacity is config.capacity, else `max_positions` (the model's context)."""
+    KV capacity is config.capacity, else `max_positions` (the model's context); `unfused_attention`:
+    its source graph has no Attention op (Gemma 2's soft-capping is exported eagerly), fused first."""
     from enginesmith.passes import build_pipeline, make_step, parse_pipeline  # deferred: imports onnx, onnxruntime
 
     if config.target == "ort-cuda":
         if not (config.capacity or max_positions):
             raise ValueError("an ort-cuda pipeline needs the KV capacity (config.capacity or max_positions)")
-        return parse_pipeline(_cuda_pipeline(config, config.capacity or max_positions))
+        return parse_pipeline(_cuda_pipeline(config, config.capacity or max_positions, unfused_attention))
     if not (config.quant or config.passes or config.kv_layout != "dense"):
         return []
     pass_steps = build_pipeline(quant=config.quant, passes_text=config.passes, block_size=config.block_size,
@@ -347,16 +348,16 @@ def steps(config: BuildConfig, max_positions: int | None = None) -> list:
     return pass_steps
 
 
-def _cuda_pipeline(config: BuildConfig, capacity: int) -> str:
-    """ort-cuda: an eager-exported attention as the Attention op (fuse_attention; nothing to do for most
-    exports), GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
+def _cuda_pipeline(config: BuildConfig, capacity: int, unfused_attention: bool = False) -> str:
+    """ort-cuda: an eager-exported attention as the Attention op first (fuse_attention, only when
+    `unfused_attention`), GroupQueryAttention on shared KV buffers (lower_gqa), fused residual norms
     (skip_rmsnorm), with w4a16-rtn int4 weights as MatMulNBits (the lm_head too with quantize_lm_head,
     after untie_lm_head gives a tied one its own matrix), and the remaining fp16 MatMuls as
     FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the embedding table
     instead of a transposed copy ORT would fold at load); with the custom ops, the decode GEMVs
     (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops. A paged engine
     has them all and ends with paged_gqa (the attention over page pools)."""
-    text = f"fuse_attention,lower_gqa:capacity={capacity},skip_rmsnorm"  # fuse_attention: Gemma 2's soft-capping
+    text = ("fuse_attention," if unfused_attention else "") + f"lower_gqa:capacity={capacity},skip_rmsnorm"
     if config.quant == "w4a16-rtn":
         lm_head = ",untie_lm_head" if config.quantize_lm_head else ""
         text += (f"{lm_head},quantize_w4a16:block_size={config.block_size}:include_lm_head={config.quantize_lm_head}"
@@ -381,7 +382,7 @@ def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     if manifest.kv_layout.io in (GQA_IO, PAGED_GQA_IO):
         raise UserError(f"{src} is already lowered for CUDA", "lower the engine it was built from")
     capacity = config.capacity or manifest.model.max_positions
-    pass_steps = steps(config, capacity)
+    pass_steps = steps(config, capacity, _unfused_attention(src / manifest.graph))
     if config.needs_ort_ops:
         ort_ops.require()
     calibration = None  # quantized KV pages: their scales (paged_gqa's kv_dtype)
@@ -401,6 +402,13 @@ def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     if config.quant:
         lowered["precision"] = f"{manifest.precision}+w4a16"  # the name before the -rtn preset
     engine_dir.write_manifest(tmp, lowered)
+
+
+def _unfused_attention(graph: Path) -> bool:
+    """Whether an exported graph has no Attention op (its attention is MatMul ... Softmax ... MatMul)."""
+    import onnx  # deferred: imports protobuf; the weights stay on disk (external data)
+
+    return not any(n.op_type == "Attention" for n in onnx.load(str(graph), load_external_data=False).graph.node)
 
 
 def _cuda_kv_layout(config: BuildConfig, capacity: int) -> dict:

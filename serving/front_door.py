@@ -36,7 +36,6 @@ import sys
 import time
 from typing import Sequence
 
-import anyio
 import httpx
 import uvicorn
 from starlette.applications import Starlette
@@ -47,7 +46,7 @@ from starlette.routing import Route
 
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
-from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body
+from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body, send_until_disconnect
 from enginesmith.serving.http_server import AnnouncingServer
 from enginesmith.serving.openai_protocol import ApiError, error_body
 from enginesmith.serving.door_board import REASONS, DoorBoard
@@ -268,19 +267,8 @@ class Proxied(Response):
         self.door, self.index, self.upstream = door, index, upstream
 
     async def __call__(self, scope, receive, send) -> None:
-        async def relay() -> None:
-            try:
-                await self._relay(send)
-            except OSError:  # the client went away mid-send
-                pass
-            group.cancel_scope.cancel()
-
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(relay)
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                group.cancel_scope.cancel()
+            await send_until_disconnect(receive, lambda: self._relay(send))
         finally:
             self.door.router.release(self.index)
 

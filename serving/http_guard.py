@@ -6,12 +6,15 @@ the handlers that turn refusals into OpenAI-style JSON errors.
     read_body(request, limit)        the body, 413 past `limit` bytes (declared or streamed)
     api_error(request, exc)          an ApiError as its JSON body (Retry-After, WWW-Authenticate)
     http_error(request, exc)         Starlette's own refusals (no such route, a wrong method), same shape
+    send_until_disconnect(receive, body)   run a response's sending until it ends or the client leaves
 """
 
 from __future__ import annotations
 
 import hmac
+from typing import Awaitable, Callable
 
+import anyio
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -53,3 +56,27 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
     return JSONResponse(error_body(message, ApiError.TYPES.get(exc.status_code, "invalid_request_error"), None, code),
                         exc.status_code, headers=exc.headers)
+
+
+async def disconnected(receive) -> None:
+    """Returns once the client has disconnected (ASGI http.disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def send_until_disconnect(receive, body: Callable[[], Awaitable[None]]) -> None:
+    """Await body() (which sends a response) until it ends or the client disconnects, whichever comes
+    first; the other is cancelled. The disconnect is watched from the start, whatever ASGI spec version
+    the server speaks, so a client that leaves before the first byte is seen at once; an OSError from a
+    client gone mid-send ends the body quietly."""
+    async def run() -> None:
+        try:
+            await body()
+        except OSError:  # the client went away mid-send
+            pass
+        group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        await disconnected(receive)
+        group.cancel_scope.cancel()

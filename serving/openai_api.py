@@ -31,7 +31,6 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -44,7 +43,8 @@ from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
 from enginesmith.runtime.generate import MAX_NEW_TOKENS
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.metrics import ServerMetrics
-from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body
+from enginesmith.serving.http_guard import (api_error, check_api_key, disconnected, http_error, read_body,
+                                            send_until_disconnect)
 from enginesmith.serving.openai_protocol import (ApiError, GenerationRequest, chat_body, completion_body, error_body,
                                                  parse_chat, parse_completion, parse_json, usage)
 from enginesmith.serving.sse_chunks import DONE, ChunkWriter, sse
@@ -176,31 +176,16 @@ class EventStream(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        async def stream() -> None:
-            try:
-                await self.stream_response(send)
-            except OSError:  # the client went away mid-send
-                pass
-            group.cancel_scope.cancel()
-
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(stream)
-                await _disconnected(receive)
-                group.cancel_scope.cancel()
+            await send_until_disconnect(receive, lambda: self.stream_response(send))
         finally:
             self.on_close()
             await self.body_iterator.aclose()
 
 
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_disconnected(receive, work):
     """The result of coroutine `work`, or ClientGone when the client disconnects first."""
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(receive))
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -156,6 +156,20 @@ def server(engine, tmp_path_factory):
     assert "Traceback" not in s.err.read_text()  # nothing of ours failed behind a client's back
 
 
+def answer(client, i: int, max_tokens: int) -> tuple[str, str | None]:
+    """(text, finish reason) of greedy PROMPTS[i]: streamed for odd i, whole for even i."""
+    if i % 2:
+        return streamed(client, False, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0)[:2]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text, r.choices[0].finish_reason
+
+
+def concurrent_answers(new_client, n: int, max_tokens: int) -> list[tuple[str, str | None]]:
+    """answer(new_client(), i, max_tokens) for i < n, all n at once (one client each)."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: answer(new_client(), i, max_tokens), range(n), timeout=120))
+
+
 def streamed(client, chat: bool, **kwargs) -> tuple[str, str | None, object]:
     """(text, finish reason, usage) of a streamed request, joined from its chunks."""
     make = client.chat.completions.create if chat else client.completions.create
@@ -216,16 +230,7 @@ def test_a_stop_string_ends_the_text_before_it(server, oracle):
 
 def test_32_concurrent_clients_each_get_their_own_answer(server, oracle):
     expected = [oracle(p, 16)[1] for p in PROMPTS[:32]]
-
-    def ask(i: int):
-        client = server.client()
-        if i % 2:
-            return streamed(client, False, prompt=PROMPTS[i], max_tokens=16, temperature=0)[:2]
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=16, temperature=0)
-        return r.choices[0].text, r.choices[0].finish_reason
-
-    with ThreadPoolExecutor(32) as pool:
-        answers = list(pool.map(ask, range(32), timeout=120))
+    answers = concurrent_answers(server.client, 32, 16)
     assert answers == [(e.text, e.finish_reason) for e in expected]
     assert len({a[0] for a in answers}) > 1  # different prompts, different answers: nothing was mixed up
 

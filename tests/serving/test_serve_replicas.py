@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from external import needs_cuda, require_module
-from test_serve import KEY, MODEL, PROMPTS, REPO, Server, parse_prometheus, streamed, wait_for
+from test_serve import (KEY, MODEL, PROMPTS, REPO, Server, answer, concurrent_answers, parse_prometheus, streamed,
+                        wait_for)
 
 openai = require_module("openai", "pip install openai")
 
@@ -133,16 +134,7 @@ def test_answers_through_the_front_door_equal_the_oracle(door, oracle):
 def test_16_concurrent_clients_get_their_answers_from_both_replicas(door, oracle):
     before = by_replica(door.metrics(), "enginesmith_requests_total", 'outcome="finished"')
     expected = [oracle(p, 12) for p in PROMPTS[:16]]
-
-    def ask(i: int):
-        client = door.client()
-        if i % 2:
-            return streamed(client, False, prompt=PROMPTS[i], max_tokens=12, temperature=0)[:2]
-        r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0)
-        return r.choices[0].text, r.choices[0].finish_reason
-
-    with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(ask, range(16), timeout=120))
+    answers = concurrent_answers(door.client, 16, 12)
     assert answers == [(e.text, e.finish_reason) for e in expected]
     after = by_replica(door.metrics(), "enginesmith_requests_total", 'outcome="finished"')
     served = {r: after[r] - before[r] for r in after}
@@ -377,16 +369,11 @@ def test_gpu_devices_one_replica_per_gpu(ort_ops_lib, tmp_path):
         pids = replica_pids(server)
         assert len(pids) == len(gpus) and all(f"(GPU {g}, pid" in server.err.read_text() for g in gpus)
 
-        def ask(i: int):
-            if i % 2:
-                return streamed(server.client(key=None), False, prompt=PROMPTS[i], max_tokens=32, temperature=0)[:2]
-            r = server.client(key=None).completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=32,
-                                                           temperature=0)
-            return r.choices[0].text, r.choices[0].finish_reason
+        def new_client():
+            return server.client(key=None)
 
-        alone = [ask(i) for i in range(24)]
-        with ThreadPoolExecutor(24) as pool:
-            assert list(pool.map(ask, range(24), timeout=120)) == alone
+        alone = [answer(new_client(), i, 32) for i in range(24)]
+        assert concurrent_answers(new_client, 24, 32) == alone
         served = by_replica(server.metrics(), "enginesmith_requests_total", 'outcome="finished"')
         assert len(served) == len(gpus) and min(served.values()) > 0, served
         server.proc.send_signal(signal.SIGTERM)

@@ -24,7 +24,7 @@ n's tokens as input ids), so the worker never has two jobs and the model is neve
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, Sequence
 
 Forward = tuple  # (ids [B, S] int64, PagedStep, picks): the arguments of PagedModel.run
@@ -55,16 +55,6 @@ class _Launched:
         return [p.result() for p in self.pending]
 
 
-class _Threaded:
-    """A step running in the worker thread."""
-
-    def __init__(self, future: Future):
-        self.future = future
-
-    def result(self) -> list[list[int]]:
-        return self.future.result()
-
-
 class StepPipeline:
     """Runs a PagedModel's steps for one ContinuousBatcher: off the caller's thread when `overlap`."""
 
@@ -88,7 +78,7 @@ class StepPipeline:
         # Hand the GIL to the worker until the step has started: else the scheduler's Python keeps it
         # for up to the interpreter's switch interval (5 ms) and the step waits behind the host work.
         started.wait()
-        return _Threaded(future)
+        return future  # a Future is an InFlight: result() waits for the worker
 
     def _run(self, copies, forwards, started: threading.Event | None = None) -> list[list[int]]:
         if started is not None:

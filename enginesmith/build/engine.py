@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from enginesmith import __version__
 from enginesmith.build import jetson
+from enginesmith.build.code_fingerprint import code_fingerprint
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
@@ -283,6 +284,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
         eos = cfg.eos_token_id
         engine_dir.write_manifest(tmp, {
             "enginesmith_version": __version__,
+            "builder_code": code_fingerprint(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source": {"kind": source.kind, "path": source.path, "name": source.name, "sha256": source.sha256},
             "model": {
@@ -396,6 +398,7 @@ def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     lowered = {k: v for k, v in manifest.raw.items() if k not in ("files", "created", "format_version")}
     lowered.update(
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), graph="model.onnx",
+        builder_code=code_fingerprint(),
         passes=list(manifest.passes) + [step.spec() for step in pass_steps],
         pass_counts={e["name"]: e["counts"] for e in report},
         kv_layout=_cuda_kv_layout(config, capacity), lowered_from=str(src))
@@ -498,17 +501,23 @@ def cached_engine(config: BuildConfig, progress: bool = True) -> Path:
 
 
 def _cached_usable(path: Path, notice: bool) -> bool:
-    """Whether the cached engine at `path` has a build.json this enginesmith reads; a stale or broken
-    one is rebuilt (with a notice) by the caller. Its files are verified when it is opened."""
+    """Whether the cached engine at `path` has a build.json this enginesmith reads, written by this
+    code (code_fingerprint); a stale or broken one is rebuilt (with a notice) by the caller. Its files
+    are verified when it is opened."""
     if not os.path.lexists(path):
         return False
     try:
-        engine_dir.read_manifest(path)
-        return True
+        built_by = engine_dir.read_manifest(path).raw.get("builder_code")
     except UserError as exc:
         if notice:
             print(f"notice: the cached engine {path} is unusable ({exc.what}); rebuilding it", file=sys.stderr)
         return False
+    if built_by != code_fingerprint():
+        if notice:
+            print(f"notice: the cached engine {path} was built by other enginesmith code; rebuilding it",
+                  file=sys.stderr)
+        return False
+    return True
 
 
 def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,

@@ -70,8 +70,6 @@ FEATURE_LIMITS: dict[str, dict[str, str]] = {
                                    "layout has one size for all layers"},
     "qk_norm": {"enginesmith.PagedGroupQueryAttention": "not verified with q/k norms (the paged engine's "
                                                         "tests have plain q/k projections)"},
-    "rope_fp32": {"GroupQueryAttention": "its fp16 export rotates q and k in fp32 between Casts, which lower_gqa "
-                                         "does not match"},
     "head_dim_256": {"enginesmith.PagedGroupQueryAttention": "the kernel's head sizes are 64 and 128"},
 }
 # what a column needs besides its own limits: the paged CUDA engine is lowered from the GQA one

@@ -143,12 +143,12 @@ def fp16_engine(name: str):
     return cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3", "olmo2"])
 def test_lower_gqa_keeps_softcap_windows_and_qk_norms(name, tmp_path):
     """fuse_attention + lower_gqa on the fp16 exports: Gemma 2's soft-capping becomes the Attention op's and
     then GroupQueryAttention's softcap (exact against the eager graph in fp32), the sliding layers keep
-    local_window_size, q/k RMSNorms (Qwen 3, Gemma 3: per head) stay before the op's RoPE. The lowered graph
-    on the CPU EP against the unlowered one: logits through a prefill past the window and decode steps."""
+    local_window_size, q/k RMSNorms (Qwen 3, Gemma 3: per head; OLMo 2: over the projection, rotated in fp32
+    between Casts) stay before the op's RoPE. The lowered graph on the CPU EP against the unlowered one: logits through a prefill past the window and decode steps."""
     import onnx
 
     from enginesmith.runtime.ort_cuda import GqaEngine
@@ -355,7 +355,7 @@ def test_models_verb_prints_the_table_and_json(capsys):
     assert data["gemma3"]["support"] == support(FAMILIES["gemma3_text"])
     assert data["mistral"]["support"]["paged"].startswith("yes (not with sliding_window")
     assert data["qwen3"]["support"]["GroupQueryAttention"] == "yes"
-    assert data["olmo2"]["support"]["GroupQueryAttention"].startswith("no: its fp16 export rotates q and k in fp32")
+    assert data["olmo2"]["support"]["GroupQueryAttention"] == "yes"  # rotated in fp32 between Casts: matched
 
 
 # ----------------------------------------------------------------------------- CUDA (the GPU machine)
@@ -368,7 +368,7 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU (run on the device machine)")
-@pytest.mark.parametrize("name", ["mistral-sw", "gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral-sw", "gemma2", "gemma3", "qwen3", "olmo2"])
 def test_cuda_gqa_matches_the_cpu_graph(name, tmp_path):
     """fp16, lowered to GroupQueryAttention on CUDA: Mistral's window of 8 (local_window_size), Gemma 2's
     soft-capping, alternating windows and head size 256, Gemma 3's and Qwen 3's q/k norms. Logits against the

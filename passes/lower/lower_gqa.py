@@ -103,14 +103,22 @@ def norm_form(m: Match, tag: str) -> str | None:
 
 
 def _rotary(op, x, cos, sin, tag):
-    lo = op.Slice(x, _allow_other_inputs=True, _outputs=[f"{tag}_lo"])
-    hi = op.Slice(x, _allow_other_inputs=True, _outputs=[f"{tag}_hi"])
-    rotated = op.Concat(op.Neg(hi), lo, axis=-1)
-    decomposed = op.Add(op.Mul(x, op.Unsqueeze(cos, _p.ANY_VALUE)), op.Mul(rotated, op.Unsqueeze(sin, _p.ANY_VALUE)))
-    # OLMo 2 (fp16) rotates in fp32 and casts back; GQA rotates with fp16 tables (in fp32 arithmetic)
-    decomposed = _p.OrValue([op.Cast(decomposed, _outputs=[f"{tag}_down"]), decomposed])
+    def decomposed(up: bool):
+        lo = op.Slice(x, _allow_other_inputs=True, _outputs=[f"{tag}_lo"])
+        hi = op.Slice(x, _allow_other_inputs=True, _outputs=[f"{tag}_hi"])
+        x_, rotated = x, op.Concat(op.Neg(hi), lo, axis=-1)
+        if up:  # OLMo 2 (fp16) rotates in fp32: x and rotate_half(x) each cast up, the sum cast back below
+            x_, rotated = op.Cast(x, _outputs=[f"{tag}_up"]), op.Cast(rotated, _outputs=[f"{tag}_rotated_up"])
+        return op.Add(op.Mul(x_, op.Unsqueeze(cos, _p.ANY_VALUE), _outputs=[f"{tag}_x_cos"]),
+                      op.Mul(rotated, op.Unsqueeze(sin, _p.ANY_VALUE)))
+
+    # one whole alternative each (the matcher does not backtrack into an alternative that matched locally)
+    unfused = _p.OrValue([decomposed(True), decomposed(False)])
+    # rotated in fp32 (x cast up here or once before the slices, `{tag}_cast` in _normed_heads) and cast
+    # back; GQA rotates with fp16 tables in fp32 arithmetic
+    unfused = _p.OrValue([op.Cast(unfused, _outputs=[f"{tag}_down"]), unfused])
     fused = op.RotaryEmbedding(x, cos, sin, _allow_other_attributes=True, _outputs=[f"{tag}_rope"])
-    return _p.OrValue([fused, decomposed], tag_var=f"{tag}_fused", tag_values=[True, False])
+    return _p.OrValue([fused, unfused], tag_var=f"{tag}_fused", tag_values=[True, False])
 
 
 def _repeat(op, kv):
@@ -219,13 +227,22 @@ def _rotary_reason(m: Match, tag: str, d: int) -> str | None:
             return "RotaryEmbedding takes position_ids (a cos/sin cache indexed by the op)"
         return None
     cast, down, dtype = m[f"{tag}_cast"], m[f"{tag}_down"], int(m["x"].type.dtype)
-    if down is not None and (cast is None or m[f"{tag}_after"]):
+    lo, hi = m[f"{tag}_lo"].producer(), m[f"{tag}_hi"].producer()
+    ups = (m[f"{tag}_up"], m[f"{tag}_rotated_up"])
+    x = ups[0].producer().inputs[0] if ups[0] is not None else m[f"{tag}_x_cos"].producer().inputs[0]
+    if not (x is lo.inputs[0] is hi.inputs[0]):
+        return f"{tag}'s rotation reads x and rotate_half(x) from different values"
+    if ups[0] is not None:  # x and rotate_half(x) cast up separately
+        if (cast is not None and not m[f"{tag}_after"]) or \
+                match.attr(ups[0].producer(), "to") != match.attr(ups[1].producer(), "to"):
+            return f"{tag}'s rotation casts x and rotate_half(x) differently"
+        cast = ups[0]  # the cast before the rotation, for the checks below
+    if down is not None and (cast is None or (m[f"{tag}_after"] and ups == (None, None))):
         return f"{tag}'s rotation is cast back without a cast before it"
     if down is not None and match.attr(down.producer(), "to") != dtype:
         return f"{tag}'s rotation is cast back to another type than the projection's"
     if down is None and cast is not None and not (m[f"{tag}_after"] and match.attr(cast.producer(), "to") == dtype):
         return f"{tag} is cast before its rotation and not back"
-    lo, hi = m[f"{tag}_lo"].producer(), m[f"{tag}_hi"].producer()
     want = {"lo": (0, d // 2), "hi": (d // 2, None)}
     for name, node in (("lo", lo), ("hi", hi)):
         starts, ends = match.int_list(node.inputs[1]), match.int_list(node.inputs[2])

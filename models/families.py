@@ -61,16 +61,13 @@ FEATURE_LIMITS: dict[str, dict[str, str]] = {
     "rope_longrope": {"ring": "LongRoPE's cos/sin are not fused into RotaryEmbedding by the exporter",
                       "GroupQueryAttention": "the attention is not fused (no RotaryEmbedding)"},
     "fused_projections": {"GroupQueryAttention": "the attention is not fused (no RotaryEmbedding)"},
-    "softcap": {"paged": "the paged attention ops have no soft-capping",
-                "enginesmith.PagedGroupQueryAttention": "no soft-capping in the kernel"},
-    "sliding_window": {"paged": "the paged attention ops have no sliding window",
-                       "enginesmith.PagedGroupQueryAttention": "no sliding window in the kernel"},
+    # (enginesmith.PagedGroupQueryAttention has soft-capping, windows, head size 256 and takes q/k norms:
+    # tests/test_paged_families.py)
+    "softcap": {"paged": "the paged attention ops have no soft-capping"},
+    "sliding_window": {"paged": "the paged attention ops have no sliding window"},
     # (ring: every layer sliding by one window W is the exact ring of --sinks 0, --kv-window >= W)
     "alternating_layers": {"ring": "sliding and global layers need different KV sizes; the ring "
                                    "layout has one size for all layers"},
-    "qk_norm": {"enginesmith.PagedGroupQueryAttention": "not verified with q/k norms (the paged engine's "
-                                                        "tests have plain q/k projections)"},
-    "head_dim_256": {"enginesmith.PagedGroupQueryAttention": "the kernel's head sizes are 64 and 128"},
 }
 # what a column needs besides its own limits: the paged CUDA engine is lowered from the GQA one
 REQUIRES: dict[str, str] = {"enginesmith.PagedGroupQueryAttention": "GroupQueryAttention",

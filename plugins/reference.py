@@ -36,16 +36,19 @@ def softcap_scores(scores, softcap: float = 0.0):
 
 
 def group_query_attention(qkv, past_key, past_value, seqlens_k, cos_cache, sin_cache, num_heads: int,
-                          kv_num_heads: int, scale: float, softcap: float = 0.0, local_window_size: int = -1):
+                          kv_num_heads: int, scale: float, softcap: float = 0.0, local_window_size: int = -1,
+                          kv_scale=None):
     """numpy reference of com.enginesmith.GroupQueryAttention (plugins/ort_ops/attention.h), which has
     com.microsoft.GroupQueryAttention's semantics with do_rotary=1, packed QKV and a shared buffer.
 
-    qkv [B, S, (H + 2 Hkv) D] fp16; past_key/past_value [B, Hkv, C, D] fp16; seqlens_k [B] int32 (tokens
-    in row b after this step, minus 1); cos_cache/sin_cache [P, D/2] fp16. Row b's token s sits at
-    p = seqlens_k[b] + 1 - S + s; q and k are rotated there (fp16), the new K/V go to the cache, and
-    the token attends to attention_mask(p, keys, local_window_size) with soft-capped fp32 scores.
-    Returns (out [B, S, H D] fp16, present_key, present_value): new arrays. A row whose length leaves
-    [S, C] or the rotary tables gets NaN outputs and an untouched cache.
+    qkv [B, S, (H + 2 Hkv) D] fp16; past_key/past_value [B, Hkv, C, D] fp16, or int8 / uint8 (fp8 e4m3)
+    codes with kv_scale [2, Hkv, D] float32 (K's, V's channel scales: kv_encode on the write, kv_decode
+    on the read, so a token attends to the decoded values of the new K/V too; the paged op's rule);
+    seqlens_k [B] int32 (tokens in row b after this step, minus 1); cos_cache/sin_cache [P, D/2] fp16.
+    Row b's token s sits at p = seqlens_k[b] + 1 - S + s; q and k are rotated there (fp16), the new K/V
+    go to the cache, and the token attends to attention_mask(p, keys, local_window_size) with
+    soft-capped fp32 scores. Returns (out [B, S, H D] fp16, present_key, present_value): new arrays. A
+    row whose length leaves [S, C] or the rotary tables gets NaN outputs and an untouched cache.
     """
     B, S, width = qkv.shape
     H, Hkv = num_heads, kv_num_heads
@@ -53,6 +56,18 @@ def group_query_attention(qkv, past_key, past_value, seqlens_k, cos_cache, sin_c
     G, C, P = H // Hkv, past_key.shape[2], cos_cache.shape[0]
     heads = qkv.reshape(B, S, H + 2 * Hkv, D)
     k_cache, v_cache = past_key.copy(), past_value.copy()
+    quantized = past_key.dtype != np.float16
+    if quantized:
+        assert kv_scale is not None and kv_scale.shape == (2, Hkv, D), "quantized caches need kv_scale [2, Hkv, D]"
+
+    def store(x, which):  # x [t, Hkv, D] fp16 -> the cache's elements [Hkv, t, D]
+        return (kv_encode(x, kv_scale[which], past_key.dtype) if quantized else x).transpose(1, 0, 2)
+
+    def load(c, which):  # the cache's elements [Hkv, t, D] -> values, float32
+        if not quantized:
+            return c.astype(np.float32)
+        return kv_decode(c.transpose(1, 0, 2), kv_scale[which]).transpose(1, 0, 2)
+
     out = np.full((B, S, H, D), np.nan, np.float16)
     for b in range(B):
         total = int(seqlens_k[b]) + 1
@@ -61,11 +76,11 @@ def group_query_attention(qkv, past_key, past_value, seqlens_k, cos_cache, sin_c
             continue
         pos = past + np.arange(S)
         cos, sin = cos_cache[pos][:, None, :], sin_cache[pos][:, None, :]
-        k_cache[b, :, past:total] = _rotate_half_split(heads[b, :, H:H + Hkv], cos, sin).transpose(1, 0, 2)
-        v_cache[b, :, past:total] = heads[b, :, H + Hkv:].transpose(1, 0, 2)
+        k_cache[b, :, past:total] = store(_rotate_half_split(heads[b, :, H:H + Hkv], cos, sin), 0)
+        v_cache[b, :, past:total] = store(heads[b, :, H + Hkv:], 1)
         q = _rotate_half_split(heads[b, :, :H], cos, sin).astype(np.float32)  # [S, H, D]
-        k = np.repeat(k_cache[b, :, :total].astype(np.float32), G, axis=0)  # [H, total, D]
-        v = np.repeat(v_cache[b, :, :total].astype(np.float32), G, axis=0)
+        k = np.repeat(load(k_cache[b, :, :total], 0), G, axis=0)  # [H, total, D]
+        v = np.repeat(load(v_cache[b, :, :total], 1), G, axis=0)
         scores = softcap_scores(np.einsum("shd,htd->hst", q, k) * np.float32(scale), softcap)
         scores = np.where(attention_mask(pos, np.arange(total), local_window_size)[None], scores, -np.inf)
         w = np.exp(scores - scores.max(-1, keepdims=True))
@@ -126,7 +141,8 @@ def kv_decode(codes, scale):
 
 
 def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping, cos_cache,
-                                sin_cache, num_heads: int, kv_num_heads: int, scale: float = 0.0, kv_scale=None):
+                                sin_cache, num_heads: int, kv_num_heads: int, scale: float = 0.0, kv_scale=None,
+                                softcap: float = 0.0, local_window_size: int = -1):
     """numpy reference of com.enginesmith.PagedGroupQueryAttention (plugins/ort_ops/paged_gqa.h).
 
     qkv [B, S, (H + 2 Hkv) D] fp16; key_pool/value_pool [NB, BS, Hkv, D] fp16, or int8 / uint8 (fp8
@@ -134,11 +150,13 @@ def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context
     kv_decode on the read, so a column attends to the decoded values of its own new K/V too); block_tables [B, MB],
     context_lens [B], slot_mapping [B, S] int32 (-1: a padding column); cos_cache/sin_cache [P, D/2]
     fp16. Column s of row b sits at p = context_lens[b] - S + s; q and k are rotated there (half-split,
-    rounded to fp16), the new K/V go to their slots, and the column attends to positions 0..p (fp32).
+    rounded to fp16), the new K/V go to their slots, and the column attends to attention_mask(p, keys,
+    local_window_size) with soft-capped fp32 scores (softcap_scores). With a window W the row's pages
+    are read from the one holding p0 - W + 1 (p0: its first column's position) on.
     Returns (out [B, S, H D] fp16, key_pool, value_pool): new arrays, the inputs are left as they are.
     Padding columns get zeros. Bad data gives the row NaN: a length outside [S, MB BS] or a real column
     beyond the rotary tables (nothing of the row written), a page index outside [0, NB) at a position
-    < context_lens[b], or a slot that is not its position's (that slot not written).
+    < context_lens[b] in the pages read, or a slot that is not its position's (that slot not written).
     """
     B, S, width = qkv.shape
     H, Hkv = num_heads, kv_num_heads
@@ -174,17 +192,18 @@ def paged_group_query_attention(qkv, key_pool, value_pool, block_tables, context
         good = real & (slots >= 0) & (slots < NB * BS) & (slots == mine)
         k_slots[slots[good]] = store(rotate(heads[b, good, H:H + Hkv], pos[good]), 0)
         v_slots[slots[good]] = store(heads[b, good, H + Hkv:], 1)
-        pages = table[: (ctx + BS - 1) // BS]
+        first_page = max(0, ctx - S - local_window_size + 1) // BS if local_window_size > 0 else 0
+        pages = table[first_page: (ctx + BS - 1) // BS]
         if (real & ~good).any() or ((pages < 0) | (pages >= NB)).any():
             out[b] = np.nan
             continue
-        cached = np.arange(ctx)
+        cached = np.arange(first_page * BS, ctx)
         at = table[cached // BS] * BS + cached % BS
         k = np.repeat(load(k_slots[at], 0), G, axis=1)  # [ctx, H, D]
         v = np.repeat(load(v_slots[at], 1), G, axis=1)
         q = rotate(heads[b, real, :H], pos[real]).astype(np.float32)  # [n, H, D]
-        scores = np.einsum("nhd,thd->nht", q, k) * scale
-        scores = np.where(cached[None, None, :] > pos[real][:, None, None], -np.inf, scores)  # causal
+        scores = softcap_scores(np.einsum("nhd,thd->nht", q, k) * scale, softcap)
+        scores = np.where(attention_mask(pos[real], cached, local_window_size)[:, None, :], scores, -np.inf)
         w = np.exp(scores - scores.max(-1, keepdims=True))
         out[b, real] = (np.einsum("nht,thd->nhd", w, v) / w.sum(-1)[..., None]).astype(np.float16)
     return out.reshape(B, S, H * D), k_pool, v_pool

@@ -6,7 +6,12 @@ Dimension legend: L layers, B batch (rows of the buffer), C KV capacity, Hkv, D 
 per call, V vocab.
 
 Memory: `kv` [L, 2, B, Hkv, C, D] is one device tensor. Layer i's keys kv[i, 0] are bound as both
-`past_key_values.i.key` and `present.i.key`; GQA writes the new tokens in place. Row b holds
+`past_key_values.i.key` and `present.i.key`; GQA writes the new tokens in place. Its element is the
+graph's KV type: fp16 (or fp32 on the CPU), or int8 / uint8 (fp8 e4m3) codes of a `build --for-cuda
+--custom-attention --kv-dtype int8|fp8` engine (passes/lower/ort_kv_quant.py; the op holds the scales),
+one byte an element: half of fp16's, so the memory of B rows at capacity C holds 2B rows, or rows of 2C
+positions (SmolLM2: 30 layers x 2 x 3 KV heads x 64 = 11,520 elements a token, 22.5 KiB in fp16,
+11.25 KiB in int8/fp8; Llama-3.2-1B: 32 KiB vs 16 KiB). Row b holds
 lengths[b] tokens in slots 0..lengths[b]-1 (no holes: prompts are not padded, they are prefilled
 row by row into their row's slice), so rollback (`truncate`) only lowers lengths.
 
@@ -233,11 +238,14 @@ class GqaEngine:
             raise UserError(f"KV capacity {self.capacity} exceeds the {limit} positions the graph's rotary "
                             "tables cover", f"use a capacity <= {limit}")
         self.max_batch = max_batch
-        float16 = "float16" in first.type
-        self.dtype = torch.float16 if float16 else torch.float32
+        codes = {"tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8}  # quantized KV: the buffers' element
+        self.dtype = codes.get(first.type, torch.float16 if "float16" in first.type else torch.float32)
         logits_type = self.session.get_outputs()[0].type
         self.logits_dtype = torch.float16 if "float16" in logits_type else torch.float32
         layers = len(self.past_names) // 2
+        # KV bytes one token takes over all layers (K and V): what a decode step reads per cached token
+        self.kv_bytes_per_token = 2 * layers * self.kv_heads * self.head_dim * (1 if self.dtype in codes.values() else
+                                                                               2 if "float16" in first.type else 4)
         with self._on_stream():
             self.kv = torch.zeros(layers, 2, max_batch, self.kv_heads, self.capacity, self.head_dim,
                                   dtype=self.dtype, device=self.torch_device)

@@ -376,7 +376,7 @@ def test_cuda_lowering_runs_on_ort_cuda_like_the_dense_graph(h64, tmp_path, lens
 def test_bad_input_is_refused_with_the_reason(paged, h64, tiny_engine, tmp_path):
     llama = tiny_engine("llama") / "model.onnx"
     half = ir.DataType.FLOAT16
-    with pytest.raises(UserError, match=r"head size 96 is not supported by the TensorRT plugin \(supported: 64, 128\)"):
+    with pytest.raises(UserError, match=r"head size 96 is not supported by the TensorRT plugin \(supported: 64, 128, 256\)"):
         lower_paged_graph(_single_op_graph(1, 1, 2, 1, 96, 16, half), "trt")
     with pytest.raises(UserError, match="float16/bfloat16, the graph is"):
         make_paged(llama, tmp_path / "a" / "model.onnx", 16, lower="trt")

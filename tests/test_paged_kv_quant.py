@@ -15,13 +15,15 @@ import json
 import numpy as np
 import pytest
 
+from kv_quant_checks import LOGIT_TOLERANCES, assert_close_to_fp16, austen_tokens
+
 CAPACITY = 256
 PAGE = 16
 TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def engines(ort_ops_lib, tmp_path_factory):
+def engines(ort_ops_lib, austen, tmp_path_factory):
     from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
 
     mp = pytest.MonkeyPatch()
@@ -35,12 +37,7 @@ def engines(ort_ops_lib, tmp_path_factory):
 
 
 def _prompt(path) -> np.ndarray:
-    from transformers import AutoTokenizer
-
-    from enginesmith.models.corpus import austen_text, tokenize
-
-    tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
-    return tokenize(tok, austen_text("prideprejudice"), max_tokens=1000 + TOKENS)[1000:]
+    return austen_tokens(path, 1000, TOKENS)
 
 
 def _logits(path, prompt):
@@ -73,17 +70,14 @@ def test_build_records_the_pages_format(engines):
     assert "kv_dtype" not in json.loads((engines["fp16"] / "build.json").read_text())["kv_layout"]
 
 
-@pytest.mark.parametrize("kv,max_tol,rms_tol", [("int8", 0.1, 0.015), ("fp8", 0.25, 0.04)])
+@pytest.mark.parametrize("kv,max_tol,rms_tol", LOGIT_TOLERANCES)
 def test_quantized_pages_logits_close_to_fp16(engines, kv, max_tol, rms_tol):
     prompt = _prompt(engines["fp16"])
     ref_engine, ref = _logits(engines["fp16"], prompt)
     engine, got = _logits(engines[kv], prompt)
     assert engine.kv.element_size() == 1 and ref_engine.kv.element_size() == 2
     assert engine.page_bytes * 2 == ref_engine.page_bytes  # twice the tokens per byte
-    diff = got - ref
-    assert np.isfinite(got).all()
-    assert 0 < np.abs(diff).max() <= max_tol and np.sqrt((diff ** 2).mean()) <= rms_tol, (
-        float(np.abs(diff).max()), float(np.sqrt((diff ** 2).mean())))
+    assert_close_to_fp16(got, ref, max_tol, rms_tol)
 
 
 def test_kv_dtype_needs_the_cuda_paged_engine():

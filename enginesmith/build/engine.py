@@ -35,7 +35,9 @@ from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
 KV_LAYOUTS = ("dense", "ring", "paged", "h2o")
-KV_DTYPES = ("fp16", "int8", "fp8")  # --for-cuda --kv paged: the pages' format (passes/lower/ort_paged_gqa.py)
+# --for-cuda: the KV format of the paged engine's pages (passes/lower/ort_paged_gqa.py) or of the dense
+# engine's buffers with --custom-attention (passes/lower/ort_kv_quant.py)
+KV_DTYPES = ("fp16", "int8", "fp8")
 PAGE_SIZE = 16                 # "paged" default: tokens per KV page
 PAGED_MAX_BATCH = 64           # ort-cuda paged: default most rows per step (kv_layout.max_batch)
 # fields added after the first cache keys: in a key only when they differ from the default
@@ -63,7 +65,8 @@ class BuildConfig:
     kv_window: int = 1020
     kv_budget: int = 1024        # "h2o": KV slots (heavy hitters + recent tokens), a ring graph of no sinks
     page_size: int = PAGE_SIZE   # "paged": tokens per KV page (block)
-    kv_dtype: str = "fp16"       # ort-cuda "paged": the pages' format, fp16 or int8 / fp8 codes (calibrated scales)
+    kv_dtype: str = "fp16"       # ort-cuda paged, or dense with custom_attention: the KV format, fp16 or int8 /
+                                 # fp8 codes (calibrated scales)
     # graph passes (enginesmith.passes): a preset and/or an explicit pipeline, then the lowering
     quant: str | None = None     # a passes.PRESETS name, e.g. w4a16-awq, w4a16-gptq (ort-cuda: w4a16-rtn)
     passes: str | None = None    # e.g. "smoothquant:alpha=0.6,quantize_w8a8"
@@ -115,9 +118,10 @@ class BuildConfig:
             raise UserError(f"--page-size {self.page_size} is not a positive number of tokens", "use e.g. --page-size 16")
         if self.kv_dtype not in KV_DTYPES:
             raise UserError(f"unknown KV page format --kv-dtype {self.kv_dtype}", f"use one of: {', '.join(KV_DTYPES)}")
-        if self.kv_dtype != "fp16" and not (self.target == "ort-cuda" and self.kv_layout == "paged"):
-            raise UserError(f"--kv-dtype {self.kv_dtype} quantizes the pages of the CUDA paged engine",
-                            "add --for-cuda --kv paged, or drop --kv-dtype")
+        if self.kv_dtype != "fp16" and self.target != "ort-cuda":
+            raise UserError(f"--kv-dtype {self.kv_dtype} quantizes the pages of the CUDA paged engine or the KV "
+                            "buffers of a dense --for-cuda --custom-attention engine",
+                            "add --for-cuda with --kv paged or --custom-attention, or drop --kv-dtype")
         if self.target == "ort-cuda":
             self._validate_cuda()
             return
@@ -156,6 +160,18 @@ class BuildConfig:
             raise UserError("--custom-attention needs the custom ops", "drop --custom-ops off")
         if self.kv_layout == "paged":
             self._validate_cuda_paged()
+        elif self.kv_dtype != "fp16":
+            self._validate_cuda_dense_kv()
+
+    def _validate_cuda_dense_kv(self) -> None:
+        """A dense engine's quantized KV is read by enginesmith's attention op alone (fp16 activations)."""
+        if not self.custom_attention:
+            raise UserError(f"--kv-dtype {self.kv_dtype} on a dense --for-cuda engine needs --custom-attention: "
+                            "ONNX Runtime's own GroupQueryAttention reads fp16 KV only",
+                            "add --custom-attention (or --kv paged), or drop --kv-dtype")
+        if self.dtype != "fp16":
+            raise UserError(f"--kv-dtype {self.kv_dtype} is read by enginesmith's attention op, which is fp16 "
+                            f"(got --dtype {self.dtype})", "use --dtype fp16, or drop --kv-dtype")
 
     def _validate_cuda_paged(self) -> None:
         if self.dtype != "fp16":
@@ -175,8 +191,9 @@ class BuildConfig:
         fields_["backend"] = self.backend  # the keys from before targets: "ort" | "trt"
         if self.target == "ort-cuda":
             fields_["target"] = self.target
-        if self.kv_layout == "dense":  # dense engines keep the keys they had before the kv_ options
-            fields_ = {k: v for k, v in fields_.items() if not k.startswith("kv_")}
+        if self.kv_layout == "dense":  # dense engines keep the keys they had before the kv_ options (but a
+            # quantized KV format, --for-cuda --custom-attention, names its engine)
+            fields_ = {k: v for k, v in fields_.items() if not k.startswith("kv_") or (k == "kv_dtype" and v != "fp16")}
         # plain engines keep the keys they had before the pass, TensorRT and CUDA options
         plain = asdict(BuildConfig())
         fields_ = {k: v for k, v in fields_.items() if k not in _LATER_FIELDS or v != plain[k]}
@@ -358,7 +375,8 @@ def _cuda_pipeline(config: BuildConfig, capacity: int, unfused_attention: bool =
     FusedMatMul(transB) on [N, K] weights (matmul_transb: a tied lm_head then reads the embedding table
     instead of a transposed copy ORT would fold at load); with the custom ops, the decode GEMVs
     (ort_gemv) and optionally the attention (ort_attention) as enginesmith's ORT ops. A paged engine
-    has them all and ends with paged_gqa (the attention over page pools)."""
+    has them all and ends with paged_gqa (the attention over page pools). A dense engine with a quantized
+    kv_dtype ends with quantize_kv (its attention op's KV buffers as codes)."""
     text = ("fuse_attention," if unfused_attention else "") + f"lower_gqa:capacity={capacity},skip_rmsnorm"
     if config.quant == "w4a16-rtn":
         lm_head = ",untie_lm_head" if config.quantize_lm_head else ""
@@ -370,6 +388,8 @@ def _cuda_pipeline(config: BuildConfig, capacity: int, unfused_attention: bool =
         return text + f",ort_gemv,ort_attention,paged_gqa:page_size={config.page_size}{kv_dtype}"
     if config.custom_ops or config.custom_attention or (config.custom_ops is None and ort_ops.available()):
         text += ",ort_gemv" + (",ort_attention" if config.custom_attention else "")
+    if config.kv_dtype != "fp16":  # dense, with custom_attention (validate): the op's KV buffers quantized
+        text += f",quantize_kv:kv_dtype={config.kv_dtype}"
     return text
 
 
@@ -422,7 +442,8 @@ def _cuda_kv_layout(config: BuildConfig, capacity: int) -> dict:
                 "max_batch": config.max_batch or PAGED_MAX_BATCH,
                 **({"kv_dtype": config.kv_dtype} if config.kv_dtype != "fp16" else {})}
     return {"type": "dense", "io": GQA_IO, "capacity": capacity,
-            **({"max_batch": config.max_batch} if config.max_batch else {})}
+            **({"max_batch": config.max_batch} if config.max_batch else {}),
+            **({"kv_dtype": config.kv_dtype} if config.kv_dtype != "fp16" else {})}
 
 
 def _run_passes(config: BuildConfig, pass_steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
@@ -529,7 +550,8 @@ def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str
     too, for the CPU EP): the steps of BuildConfig(target="ort-cuda", ...) into `out`. quant: "w4a16"
     (= w4a16-rtn) or None. kv_layout "paged" (an fp16 `src`): PagedGroupQueryAttention over pools of
     `page_size`-token pages of `kv_dtype` (fp16, or int8 / fp8 codes with scales calibrated on
-    `calib_samples` windows of the default text). Open a dense result with runtime.ort_cuda.open_gqa_engine."""
+    `calib_samples` windows of the default text); dense with custom_attention: `kv_dtype` is the KV
+    buffers' format likewise. Open a dense result with runtime.ort_cuda.open_gqa_engine."""
     if quant not in (None, "w4a16"):
         raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
     # dtype only picks an export, and there is none here: the lowered precision is the source's

@@ -42,9 +42,10 @@ def add_parser(verbs) -> None:
     add_kv_flags(p)
     p.set_defaults(page_size=None)  # given or not: it applies to --kv paged only (default 16 there)
     p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "int8", "fp8"],
-                   help="with --for-cuda --kv paged: the KV pages' format. int8 / fp8 (e4m3) hold codes with "
-                        "static per-channel scales calibrated on --calib-text (half the bytes of fp16: twice "
-                        "the tokens per GPU; SmolLM2 perplexity +0.03 %% int8, +0.5 %% fp8)")
+                   help="with --for-cuda --kv paged: the KV pages' format; with --for-cuda --custom-attention "
+                        "(dense): the KV buffers'. int8 / fp8 (e4m3) hold codes with static per-channel scales "
+                        "calibrated on --calib-text (half the bytes of fp16: twice the tokens per GPU; SmolLM2 "
+                        "perplexity +0.03 %% int8, +0.5 %% fp8)")
     p.add_argument("--lora", metavar="ADAPTER_DIR", default=None,
                    help="fold a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into "
                         "the weights at export")

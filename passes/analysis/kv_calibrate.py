@@ -97,6 +97,21 @@ def collect(onnx_path: Path, layers: list[tuple[str, int, int]], calib: Calibrat
     return [found[n] for n in names]
 
 
+def attention_scales(who: str, nodes: list, kv_dtype: str, windows: int, ctx, capacity: int) -> list[np.ndarray]:
+    """kv_scale [2, Hkv, D] of each com.enginesmith.GroupQueryAttention node in `nodes` (its packed qkv input
+    and head counts), calibrated on the input graph of the pass `who` (its PassContext `ctx`)."""
+    if ctx is None or ctx.calibration is None:
+        raise UserError(f"{who} kv_dtype={kv_dtype} calibrates its KV scales and got no calibration data",
+                        "run it through the pass pipeline with a calibration set")
+    from enginesmith.plugins import ort_ops  # deferred: the library is needed only to calibrate
+
+    layers = [(node.inputs[0].name, int(node.attributes["num_heads"].value),
+               int(node.attributes["kv_num_heads"].value)) for node in nodes]
+    bounds = collect(ctx.model_path, layers, ctx.calibration, windows, capacity, ort_ops.require(),
+                     progress=ctx.progress)
+    return [scales(b, kv_dtype) for b in bounds]
+
+
 def _run(onnx_path: Path, names: list[str], windows: np.ndarray, ops_lib: Path, progress: bool):
     """Yield the tensors `names` for each window, each run from an empty cache (rows of one window)."""
     import onnx  # deferred: heavy, only when the bounds are not cached

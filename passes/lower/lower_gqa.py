@@ -352,6 +352,15 @@ def _shared_table(graph: ir.Graph, namer: Namer, memo: dict, name: str, table: n
     return memo[key]
 
 
+def lowered_capacity(model: ir.Model, who: str) -> int:
+    """The KV capacity lower_gqa recorded in the graph's metadata; `who` (a later pass) needs it."""
+    text = model.metadata_props.get(CAPACITY_KEY, "")
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"{who} needs a graph lowered by lower_gqa (metadata {CAPACITY_KEY} is "
+                        f"{text or 'missing'})", "run lower_gqa and ort_attention first")
+    return int(text)
+
+
 class _Reject(Exception):
     pass
 
@@ -513,4 +522,4 @@ def lower_gqa(model: ir.Model, params: LowerGqaParams, ctx: PassContext | None =
     return PassResult({"gqa": lowered, "not_lowered": attention_nodes - lowered}, rejected)
 
 
-__all__ = ["LowerGqaParams", "KVCacheAttention", "lower_gqa", "position_table", "CAPACITY_KEY"]
+__all__ = ["LowerGqaParams", "KVCacheAttention", "lower_gqa", "position_table", "lowered_capacity", "CAPACITY_KEY"]

@@ -42,6 +42,23 @@ UNSUPPORTED = {"smooth_softmax": 0, "qk_output": 0}
 CARRIED = {"softcap": 0.0, "local_window_size": -1}
 
 
+class EsGqaRule(Rule):
+    """Root: a com.enginesmith.GroupQueryAttention with the KEPT inputs (ort_attention's output). The
+    passes that rewrite it further (paged_gqa, quantize_kv) check its inputs by name in `check_inputs`."""
+
+    def pattern(self, op, qkv):
+        return op.GroupQueryAttention(qkv, _domain=DOMAIN, _allow_other_inputs=True, _allow_other_attributes=True)
+
+    def check(self, m: Match) -> str | None:
+        node = m.root
+        if len(node.inputs) != len(KEPT):
+            return f"{len(node.inputs)} inputs, not the {len(KEPT)} of ort_attention's op"
+        return self.check_inputs(node, dict(zip(KEPT, node.inputs)))
+
+    def check_inputs(self, node: ir.Node, ins: dict[str, ir.Value]) -> str | None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class OrtAttentionParams:
     pass

@@ -20,7 +20,7 @@ Per layer, before:
     block_tables [B,MB] int32 ┼─ PagedGroupQueryAttention ─┬─ out [B,S,HD]
     context_lens [B] int32 ───┤   (com.enginesmith; same   ├─ present_k, present_v: the pools,
     slot_mapping [B,S] int32 ─┤    num_heads, kv_num_heads, └  written in place through the slots
-    cos, sin [C, D/2] ────────┘    scale)
+    cos, sin [C, D/2] ────────┘    scale, softcap, local_window_size)
 
 Interface after the pass (io_names; build.json kv_layout.io = PAGED_GQA_IO):
 
@@ -41,11 +41,14 @@ int8 / uint8 (fp8 e4m3 bytes) [num_pages, BS, Hkv, D], half the bytes of fp16, a
 gets a ninth input, its static channel scales kv_scale [2, Hkv, D] float32 (an initializer),
 calibrated on the input graph (passes/analysis/kv_calibrate.py: K's rotation-invariant pair-norm
 bound, V's absmax, over calibration windows). The graph's kv_layout metadata records kv_dtype. Page sizes and the most columns per step (S) are the paged-attention
-kernels' limits (plugins/limits.json: 16/32/64, S <= 16): the runtime feeds prompts in chunks. Every attention layer must be enginesmith's op: a com.microsoft one that
+kernels' limits (plugins/limits.json: 16/32/64, S <= 16): the runtime feeds prompts in chunks. Soft-capping
+(Gemma 2) and each layer's sliding window (local_window_size: Gemma 2/3's alternating layers, Mistral)
+carry over as the same attributes; q/k norms (Qwen 3, Gemma 3) are nodes before the attention, which
+the pass leaves as they are. Every attention layer must be enginesmith's op: a com.microsoft one that
 ort_attention could not take (bf16, ...) is refused with its reason, since the paged CUDA engine has no
-other paged attention; so is an enginesmith one the paged op cannot take (soft-capping, a sliding
-window, a head size outside plugins/limits.json's). Not checked by the pass manager (it cannot feed the
-new interface): tests/passes/test_paged_gqa.py compares the logits with the dense graph's.
+other paged attention; so is an enginesmith one the paged op cannot take (a head size outside
+plugins/limits.json's). Not checked by the pass manager (it cannot feed the new interface):
+tests/passes/test_paged_gqa.py and tests/test_paged_families.py compare the logits with the dense graph's.
 """
 
 from __future__ import annotations
@@ -62,17 +65,16 @@ from enginesmith.core.errors import UserError
 from enginesmith.core.io_names import MS_DOMAIN, ORT_OPS_DOMAIN as DOMAIN, PAGED_GQA_IO
 from enginesmith.passes.kv.paged_rewrite import METADATA_KEY
 from enginesmith.passes.analysis import kv_calibrate
-from enginesmith.passes.lower.lower_gqa import CAPACITY_KEY, SEQLENS, TOTAL
-from enginesmith.passes.lower.ort_attention import PackedRotaryGQA
+from enginesmith.passes.lower.lower_gqa import SEQLENS, TOTAL, lowered_capacity
+from enginesmith.passes.lower.ort_attention import CARRIED, KEPT, EsGqaRule, PackedRotaryGQA
 from enginesmith.passes.machinery import match
 from enginesmith.passes.machinery.edit import Namer, add_initializer, replace_value, to_attrs
-from enginesmith.passes.machinery.match import Match, Rule
+from enginesmith.passes.machinery.match import Match
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 from enginesmith.plugins.limits import limits as kernel_limits
 
 POOL_DIM = "num_pages"
-# com.enginesmith.GroupQueryAttention's inputs, in order (ort_attention's KEPT)
-ES_GQA_INPUTS = ("qkv", "past_k", "past_v", "seqlens_k", "total_len", "cos", "sin")
+ES_GQA_INPUTS = KEPT  # com.enginesmith.GroupQueryAttention's inputs, in order
 FIX = "build this model with a dense KV cache (--for-cuda without --kv paged)"
 KV_DTYPES = {"fp16": ir.DataType.FLOAT16, "int8": ir.DataType.INT8, "fp8": ir.DataType.UINT8}  # pool element
 
@@ -100,19 +102,12 @@ def page_sizes() -> tuple[int, ...]:
     return tuple(kernel_limits()["paged_attention"]["block_sizes"])
 
 
-class SharedBufferGQA(Rule):
+class SharedBufferGQA(EsGqaRule):
     """Root: a com.enginesmith.GroupQueryAttention whose past K/V are graph inputs carried to graph outputs."""
 
     name = "es_gqa->paged_gqa"
 
-    def pattern(self, op, qkv):
-        return op.GroupQueryAttention(qkv, _domain=DOMAIN, _allow_other_inputs=True, _allow_other_attributes=True)
-
-    def check(self, m: Match) -> str | None:
-        node = m.root
-        if len(node.inputs) != len(ES_GQA_INPUTS):
-            return f"{len(node.inputs)} inputs, not the {len(ES_GQA_INPUTS)} of ort_attention's op"
-        ins = dict(zip(ES_GQA_INPUTS, node.inputs))
+    def check_inputs(self, node: ir.Node, ins: dict[str, ir.Value]) -> str | None:
         missing = [name for name, v in ins.items() if v is None]
         if missing:
             return f"has no {', '.join(missing)}"
@@ -121,38 +116,36 @@ class SharedBufferGQA(Rule):
                 return f"{name} is not the graph input {want!r} (lower_gqa's interface)"
         outputs = {id(v) for v in node.graph.outputs}
         for past, present in ((ins["past_k"], node.outputs[1]), (ins["past_v"], node.outputs[2])):
-            if not past.is_graph_input():
-                return f"{past.name} is not a graph input"
+            reason = kv_buffer_reason(node, past)
+            if reason:
+                return reason
             if id(present) not in outputs:
                 return f"the present of {past.name} is not a graph output"
-            others = sorted({u.node.op_type for u in past.uses() if u.node is not node})
-            if others:
-                return f"{past.name} is read by {', '.join(others)} besides the attention"
-            shape = past.shape
-            if shape is None or shape.rank() != 4 or not all(isinstance(shape[i], int) for i in (1, 3)):
-                return f"{past.name} is not [B, Hkv, C, D] with static Hkv and D"
         cos = match.constant(ins["cos"])
         if cos is None or len(cos.shape) != 2 or 2 * cos.shape[1] != ins["past_k"].shape[3]:
             return "the cos cache is not a constant [positions, D / 2] table"
         head_sizes = kernel_limits()["paged_attention"]["head_sizes"]
         if ins["past_k"].shape[3] not in head_sizes:
             return f"head size {ins['past_k'].shape[3]} is not one the paged attention op takes ({head_sizes})"
-        for name, off, what in (("softcap", 0.0, "soft-capping"), ("local_window_size", -1, "sliding window")):
-            if match.attr(node, name, off) != off:
-                return f"{name}={match.attr(node, name)}: the paged attention op has no {what}"
         return None
+
+
+def kv_buffer_reason(node: ir.Node, past: ir.Value) -> str | None:
+    """Why `past` is not a KV buffer the runtime binds for `node` alone: a graph input [B, Hkv, C, D]
+    with static Hkv and D that no other node reads; None if it is."""
+    if past is None or not past.is_graph_input():
+        return f"{getattr(past, 'name', 'a past K/V')} is not a graph input"
+    others = sorted({u.node.op_type for u in past.uses() if u.node is not node})
+    if others:
+        return f"{past.name} is read by {', '.join(others)} besides the attention"
+    shape = past.shape
+    if shape is None or shape.rank() != 4 or not all(isinstance(shape[i], int) for i in (1, 3)):
+        return f"{past.name} is not [B, Hkv, C, D] with static Hkv and D"
+    return None
 
 
 def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((v for v in graph.inputs if v.name == name), None)
-
-
-def _capacity(model: ir.Model) -> int:
-    text = model.metadata_props.get(CAPACITY_KEY, "")
-    if not text.isdigit() or int(text) < 1:
-        raise UserError(f"paged_gqa needs a graph lowered by lower_gqa (metadata {CAPACITY_KEY} is "
-                        f"{text or 'missing'})", "run lower_gqa and ort_attention first")
-    return int(text)
 
 
 def _refuse(model: ir.Model, found: list[Match], rejected) -> None:
@@ -207,6 +200,8 @@ def _page(graph: ir.Graph, namer: Namer, m: Match, page_size: int, meta, kv_dtyp
     scale = match.attr(node, "scale", 0.0) or 1.0 / math.sqrt(dim)
     attrs = {"num_heads": match.attr(node, "num_heads"), "kv_num_heads": match.attr(node, "kv_num_heads"),
              "scale": float(scale)}
+    attrs |= {name: type(off)(match.attr(node, name)) for name, off in CARRIED.items()
+              if match.attr(node, name, off) != off}  # softcap, local_window_size: as the dense op has them
     inputs = [ins["qkv"], past_k, past_v, *meta, ins["cos"], ins["sin"]]
     if kv_scale is not None:
         inputs.append(add_initializer(graph, namer, f"{node.name or 'gqa'}_kv_scale", kv_scale))
@@ -227,16 +222,8 @@ def _kv_scales(found: list[Match], params: PagedGqaParams, ctx: PassContext | No
     """Each layer's kv_scale [2, Hkv, D] (None for fp16 pages), calibrated on the pass's input graph."""
     if params.kv_dtype == "fp16":
         return [None] * len(found)
-    if ctx is None or ctx.calibration is None:
-        raise UserError(f"paged_gqa kv_dtype={params.kv_dtype} calibrates its KV scales and got no calibration "
-                        "data", "run it through the pass pipeline with a calibration set")
-    from enginesmith.plugins import ort_ops  # deferred: the library is needed only to calibrate
-
-    layers = [(m.root.inputs[0].name, int(match.attr(m.root, "num_heads")), int(match.attr(m.root, "kv_num_heads")))
-              for m in found]
-    bounds = kv_calibrate.collect(ctx.model_path, layers, ctx.calibration, params.calib_windows, capacity,
-                                  ort_ops.require(), progress=ctx.progress)
-    return [kv_calibrate.scales(b, params.kv_dtype) for b in bounds]
+    return kv_calibrate.attention_scales("paged_gqa", [m.root for m in found], params.kv_dtype,
+                                         params.calib_windows, ctx, capacity)
 
 
 @register("paged_gqa", PagedGqaParams, exact=False, calibrated=lambda p: p.kv_dtype != "fp16")
@@ -245,7 +232,7 @@ def paged_gqa(model: ir.Model, params: PagedGqaParams | None = None, ctx: PassCo
     (block tables, context lengths, slot mapping), fp16 or quantized (kv_dtype, calibrated scales).
     Changes the graph's inputs; see the module doc."""
     params = params or PagedGqaParams()
-    capacity = _capacity(model)
+    capacity = lowered_capacity(model, "paged_gqa")
     found, rejected = match.find(model, SharedBufferGQA())
     _refuse(model, found, rejected)
     kv_scales = _kv_scales(found, params, ctx, capacity)  # before any change: calibrated on the input graph

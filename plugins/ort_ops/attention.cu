@@ -10,11 +10,15 @@
 // With a window, the block's key range starts at the window of its first query token.
 // The warps merge (m, l, O) in shared memory; then the output (one used split) or the partial + the
 // last-block merge (see attention.h). Prompts go to attention_prefill.cu (tensor cores).
+// Quantized caches (kv_quant.h): the K row and V values are loaded as codes (8 bytes per 8 dims) and
+// widened to fp32 (exact); q carries K's channel scales and the warps' outputs take V's; the new keys
+// and values, read from qkv, are encoded as the cache write encodes them, so every read is a code.
 #include "attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention_prefill.h"
@@ -58,9 +62,46 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// A lane's DL dims of one V row: 8-byte loads up to head size 128, 16-byte at 256.
-template <int DL> struct VLoad { using type = uint2; };
+// A lane's DL dims of one V row: 8-byte loads up to head size 128, 16-byte at 256; codes (quantized
+// caches, one byte a dim): DL bytes.
+template <int DL, bool kCodes = false> struct VLoad { using type = uint2; };
 template <> struct VLoad<8> { using type = uint4; };
+template <> struct VLoad<2, true> { using type = unsigned short; };
+template <> struct VLoad<4, true> { using type = uint32_t; };
+template <> struct VLoad<8, true> { using type = uint2; };
+
+// The 32-bit words of N <= 8 packed codes, and back.
+__device__ __forceinline__ void code_words(unsigned short v, uint32_t w[2]) { w[0] = v, w[1] = 0; }
+__device__ __forceinline__ void code_words(uint32_t v, uint32_t w[2]) { w[0] = v, w[1] = 0; }
+__device__ __forceinline__ void code_words(uint2 v, uint32_t w[2]) { w[0] = v.x, w[1] = v.y; }
+template <typename T> __device__ __forceinline__ T pack_codes(const uint32_t w[2]) {
+  if constexpr (std::is_same_v<T, uint2>) return make_uint2(w[0], w[1]);
+  else return static_cast<T>(w[0]);
+}
+
+// N codes (a multiple of 2) packed in w, widened to floats (exact: kv_decode's values, in pairs for fp8).
+template <KvFormat KV, int N> __device__ __forceinline__ void widen_codes(const uint32_t w[2], float f[N]) {
+#pragma unroll
+  for (int e = 0; e < N; e += 2) {
+    const uint32_t pair = (w[e / 4] >> (8 * (e % 4))) & 0xffffu;
+    if constexpr (KV == KvFormat::kInt8) {
+      f[e] = kv_decode<KV>(uint8_t(pair & 0xffu));
+      f[e + 1] = kv_decode<KV>(uint8_t(pair >> 8));
+    } else {
+      const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3)));
+      f[e] = x.x;
+      f[e + 1] = x.y;
+    }
+  }
+}
+
+// N <= 8 values -> their codes under scales[0 .. N), packed (kv_encode: the cache write's rounding).
+template <KvFormat KV, int N> __device__ __forceinline__ void encode_codes(const float x[N], const float* scales,
+                                                                          uint32_t w[2]) {
+  w[0] = w[1] = 0;
+#pragma unroll
+  for (int e = 0; e < N; ++e) w[e / 4] |= uint32_t(kv_encode<KV>(x[e], __ldg(scales + e))) << (8 * (e % 4));
+}
 
 struct Row {  // where a (row, token) of the problem lives
   const __half* token0;  // qkv of the row's first new token
@@ -68,8 +109,9 @@ struct Row {  // where a (row, token) of the problem lives
   size_t cache0;         // k/v cache offset of (row, KV head g, position 0)
 };
 
-// kCap: soft-capped scores (p.softcap); kWindow: a sliding window (p.window). Both off: the plain kernel.
-template <int D, int R, bool kCap, bool kWindow, int kWarps = warps_for(D, R), int kThreads = kWarps * 32>
+// kCap: soft-capped scores (p.softcap); kWindow: a sliding window (p.window); KV: the caches' format
+// (p.kv). All off (kNative): the plain kernel.
+template <int D, int R, bool kCap, bool kWindow, KvFormat KV, int kWarps = warps_for(D, R), int kThreads = kWarps * 32>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p, int tile_tokens, int tiles,
                                                              int splits, float* partials, int32_t* counters) {
   constexpr int DL = D / 32;  // output dims per lane
@@ -77,7 +119,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
   constexpr int KC = D <= 128 ? HALF : 32;  // dims of each half of the K row a lane holds at once
   // V rows loaded ahead, as registers allow
   constexpr int VG = D == 256 ? (R <= 4 ? 8 : 4) : kWarps == 16 || D == 128 ? (R <= 8 ? 16 : 8) : kKeyTile;
-  using VVec = typename VLoad<DL>::type;
+  constexpr bool kCodes = kv_quantized(KV);
+  using VVec = typename VLoad<DL, kCodes>::type;
+  using KChunk = std::conditional_t<kCodes, uint2, uint4>;  // 8 dims of a K row: fp16 values or codes
+  using KvT = std::conditional_t<kCodes, uint8_t, __half>;  // the caches' element
+  KvT* const k_cache = static_cast<KvT*>(p.k_cache);
+  KvT* const v_cache = static_cast<KvT*>(p.v_cache);
   static_assert(R <= max_rows(D), "the warps' outputs fit in shared memory");
   __shared__ float q_s[R][D];  // rotated q (fp16 values) times scale * log2(e); rows >= `rows` are 0
   __shared__ float m_s[kWarps][R], l_s[kWarps][R];
@@ -94,6 +141,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
   const int total = p.seqlens[b] + 1, past = total - p.S;
   const Row row{p.qkv + size_t(b) * p.S * (p.H + 2 * p.Hkv) * D, (p.H + 2 * p.Hkv) * D,
                 (size_t(b) * p.Hkv + g) * p.C * D};
+  // quantized caches: the KV head's channel scales, K's and V's (the lane's DL output dims in registers)
+  const float* k_scale = kCodes ? p.kv_scale + size_t(g) * D : nullptr;
+  const float* v_scale = kCodes ? p.kv_scale + size_t(p.Hkv + g) * D : nullptr;
+  float vs[DL];
+#pragma unroll
+  for (int e = 0; e < DL; ++e) vs[e] = kCodes ? __ldg(v_scale + lane * DL + e) : 1.f;
   auto out_at = [&](int r, int d) -> __half& {
     return p.out[((size_t(b) * p.S + s0 + r / G) * p.H + g * G + r % G) * D + d];
   };
@@ -139,16 +192,28 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
     }
     float y1 = 0.f, y2 = 0.f;
     if (q_row) rotate(__half2float(q1), __half2float(q2), __half2float(qc), __half2float(qs), y1, y2);
-    q_s[r][d] = y1 * q_scale;
-    q_s[r][d + HALF] = y2 * q_scale;
+    if constexpr (kCodes) {  // K's channel scales fold into q: q . (s * code) = (q * s) . code
+      q_s[r][d] = y1 * q_scale * __ldg(k_scale + d);
+      q_s[r][d + HALF] = y2 * q_scale * __ldg(k_scale + d + HALF);
+    } else {
+      q_s[r][d] = y1 * q_scale;
+      q_s[r][d + HALF] = y2 * q_scale;
+    }
     if (kv_row) {
       rotate(__half2float(k1), __half2float(k2), __half2float(kc), __half2float(ks), y1, y2);
-      __half* kd = p.k_cache + row.cache0 + size_t(kv_pos) * D;
-      __half* vd = p.v_cache + row.cache0 + size_t(kv_pos) * D;
-      kd[d] = __float2half_rn(y1);
-      kd[d + HALF] = __float2half_rn(y2);
-      vd[d] = v1;
-      vd[d + HALF] = v2;
+      KvT* kd = k_cache + row.cache0 + size_t(kv_pos) * D;
+      KvT* vd = v_cache + row.cache0 + size_t(kv_pos) * D;
+      if constexpr (kCodes) {  // y1, y2 are fp16 values (rotate rounds): the paged op's codes of them
+        kd[d] = kv_encode<KV>(y1, __ldg(k_scale + d));
+        kd[d + HALF] = kv_encode<KV>(y2, __ldg(k_scale + d + HALF));
+        vd[d] = kv_encode<KV>(__half2float(v1), __ldg(v_scale + d));
+        vd[d + HALF] = kv_encode<KV>(__half2float(v2), __ldg(v_scale + d + HALF));
+      } else {
+        kd[d] = __float2half_rn(y1);
+        kd[d + HALF] = __float2half_rn(y2);
+        vd[d] = v1;
+        vd[d + HALF] = v2;
+      }
     }
   }
   __syncthreads();
@@ -161,13 +226,17 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
 #pragma unroll
     for (int j = 0; j < DL; ++j) o[r][j] = 0.f;
   }
-  // A new key or value (position >= past) comes from qkv: the cache write above is not visible yet.
-  auto k_row = [&](int j) {
-    return j >= past ? row.token0 + size_t(j - past) * row.stride + (p.H + g) * D : p.k_cache + row.cache0 + size_t(j) * D;
+  // A new key or value (position >= past) comes from qkv: the cache write above is not visible yet
+  // (quantized caches: encoded as it was written).
+  auto new_k = [&](int j) { return row.token0 + size_t(j - past) * row.stride + (p.H + g) * D; };
+  auto new_v = [&](int j) { return row.token0 + size_t(j - past) * row.stride + (p.H + p.Hkv + g) * D; };
+  auto k_row = [&](int j) -> const KvT* {
+    if constexpr (kCodes) return k_cache + row.cache0 + size_t(j) * D;
+    else return j >= past ? new_k(j) : k_cache + row.cache0 + size_t(j) * D;
   };
-  auto v_row = [&](int j) {
-    return j >= past ? row.token0 + size_t(j - past) * row.stride + (p.H + p.Hkv + g) * D
-                     : p.v_cache + row.cache0 + size_t(j) * D;
+  auto v_row = [&](int j) -> const KvT* {
+    if constexpr (kCodes) return v_cache + row.cache0 + size_t(j) * D;
+    else return j >= past ? new_v(j) : v_cache + row.cache0 + size_t(j) * D;
   };
   auto load_v = [&](int t0, int k0, VVec (&v)[VG]) {  // lane's DL dims of keys t0 + k0 .. + VG - 1
 #pragma unroll
@@ -175,42 +244,87 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
       const int key = t0 + k0 + u;
       v[u] = VVec{};
       if (key < hi) {
-        const __half* vr = v_row(key) + lane * DL;
-        if constexpr (DL == 2) v[u].x = *reinterpret_cast<const uint32_t*>(vr);
-        else v[u] = *reinterpret_cast<const VVec*>(vr);
+        if constexpr (kCodes) {
+          if (key >= past) {  // a new value: its codes
+            float x[DL];
+            const __half* vr = new_v(key) + lane * DL;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) x[e] = __half2float(vr[e]);
+            uint32_t w[2];
+            encode_codes<KV, DL>(x, v_scale + lane * DL, w);
+            v[u] = pack_codes<VVec>(w);
+          } else {
+            v[u] = *reinterpret_cast<const VVec*>(v_row(key) + lane * DL);
+          }
+        } else {
+          const __half* vr = v_row(key) + lane * DL;
+          if constexpr (DL == 2) v[u].x = *reinterpret_cast<const uint32_t*>(vr);
+          else v[u] = *reinterpret_cast<const VVec*>(vr);
+        }
       }
     }
   };
   // lane's K row (key j), dims c0 .. c0 + KC - 1 of each half: kv[0, KC/8) then kv[KC/8, KC/4)
-  auto load_k = [&](int j, int c0, uint4 (&kv)[KC / 4]) {
-    if (j < hi) {
-      const __half* k = k_row(j);
+  auto load_k = [&](int j, int c0, KChunk (&kv)[KC / 4]) {
+    bool from_row = j < hi;
+    if constexpr (kCodes) {
+      if (j < hi && j >= past) {  // a new key: rotated and encoded as the cache write does
+        from_row = false;
+#pragma unroll
+        for (int c = 0; c < KC / 8; ++c) {
+          const int dd = c0 + c * 8;
+          float x1[8], x2[8], cs[8], sn[8];
+          to_floats(*reinterpret_cast<const uint4*>(new_k(j) + dd), x1);
+          to_floats(*reinterpret_cast<const uint4*>(new_k(j) + HALF + dd), x2);
+          to_floats(*reinterpret_cast<const uint4*>(p.cos + size_t(j) * HALF + dd), cs);
+          to_floats(*reinterpret_cast<const uint4*>(p.sin + size_t(j) * HALF + dd), sn);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) rotate(x1[e], x2[e], cs[e], sn[e], x1[e], x2[e]);
+          uint32_t w[2];
+          encode_codes<KV, 8>(x1, k_scale + dd, w);
+          kv[c] = pack_codes<KChunk>(w);
+          encode_codes<KV, 8>(x2, k_scale + HALF + dd, w);
+          kv[KC / 8 + c] = pack_codes<KChunk>(w);
+        }
+        return;
+      }
+    }
+    if (from_row) {
+      const KvT* k = k_row(j);
 #pragma unroll
       for (int c = 0; c < KC / 4; ++c)
-        kv[c] = *reinterpret_cast<const uint4*>(k + (c < KC / 8 ? c0 : HALF + c0 - KC) + c * 8);
+        kv[c] = *reinterpret_cast<const KChunk*>(k + (c < KC / 8 ? c0 : HALF + c0 - KC) + c * 8);
     } else {
 #pragma unroll
-      for (int c = 0; c < KC / 4; ++c) kv[c] = make_uint4(0, 0, 0, 0);
+      for (int c = 0; c < KC / 4; ++c) kv[c] = KChunk{};
     }
   };
 
   for (int t0 = lo + warp * kKeyTile; t0 < hi; t0 += kWarps * kKeyTile) {
     const int j = t0 + lane;
     // issue the tile's K row (lane j; its first chunk) and V loads first: one memory latency per tile
-    uint4 kv[KC / 4];
+    KChunk kv[KC / 4];
     load_k(j, 0, kv);
     VVec v[VG];
     load_v(t0, 0, v);
     float sc[R][2];  // two chains per row (halves of the head)
 #pragma unroll
     for (int r = 0; r < R; ++r) sc[r][0] = sc[r][1] = 0.f;
-    const bool fresh = j < hi && j >= past;
+    const bool fresh = !kCodes && j < hi && j >= past;  // fp16: a new key, rotated here (codes: in load_k)
 #pragma unroll
     for (int c = 0; c < HALF; c += 8) {
       if (c % KC == 0 && c > 0) load_k(j, c, kv);  // head size 256: the next chunk
       float x1[8], x2[8];
-      to_floats(kv[(c % KC) / 8], x1);
-      to_floats(kv[(c % KC + KC) / 8], x2);
+      if constexpr (kCodes) {
+        uint32_t w[2];
+        code_words(kv[(c % KC) / 8], w);
+        widen_codes<KV, 8>(w, x1);
+        code_words(kv[(c % KC + KC) / 8], w);
+        widen_codes<KV, 8>(w, x2);
+      } else {
+        to_floats(kv[(c % KC) / 8], x1);
+        to_floats(kv[(c % KC + KC) / 8], x2);
+      }
       if (fresh) {  // rotated as the cache write does
         float cs[8], sn[8];
         to_floats(*reinterpret_cast<const uint4*>(p.cos + size_t(j) * HALF + c), cs);
@@ -247,12 +361,18 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
 #pragma unroll
       for (int u = 0; u < VG; ++u) {
         float vf[DL];
-        const __half2* vh = reinterpret_cast<const __half2*>(&v[u]);
+        if constexpr (kCodes) {  // codes: V's scales multiply the warps' outputs
+          uint32_t w[2];
+          code_words(v[u], w);
+          widen_codes<KV, DL>(w, vf);
+        } else {
+          const __half2* vh = reinterpret_cast<const __half2*>(&v[u]);
 #pragma unroll
-        for (int e = 0; e < DL; e += 2) {
-          const float2 f = __half22float2(vh[e / 2]);
-          vf[e] = f.x;
-          vf[e + 1] = f.y;
+          for (int e = 0; e < DL; e += 2) {
+            const float2 f = __half22float2(vh[e / 2]);
+            vf[e] = f.x;
+            vf[e + 1] = f.y;
+          }
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -273,7 +393,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
       l_s[warp][r] = lr;
     }
 #pragma unroll
-    for (int e = 0; e < DL; ++e) o_s[warp][r][lane * DL + e] = o[r][e];
+    for (int e = 0; e < DL; ++e) o_s[warp][r][lane * DL + e] = kCodes ? o[r][e] * vs[e] : o[r][e];
   }
   __syncthreads();
   const int triple = blockIdx.z * p.Hkv + g;
@@ -338,34 +458,44 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionProblem p,
   if (threadIdx.x == 0) counters[triple] = 0;
 }
 
-template <int D, int R, bool kCap, bool kWindow>
+template <int D, int R, bool kCap, bool kWindow, KvFormat KV>
 cudaError_t launch_dr(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                       cudaStream_t stream) {
   const dim3 grid(plan.splits, p.Hkv, p.B * plan.tiles);
-  return launch_kernel(attention_kernel<D, R, kCap, kWindow>, grid, 32 * warps_for(D, R), 0, stream, plan.dependent, p,
-                       plan.tile_tokens, plan.tiles, plan.splits, partials, counters);
+  return launch_kernel(attention_kernel<D, R, kCap, kWindow, KV>, grid, 32 * warps_for(D, R), 0, stream,
+                       plan.dependent, p, plan.tile_tokens, plan.tiles, plan.splits, partials, counters);
 }
 
-template <int D, bool kCap, bool kWindow>
+template <int D, bool kCap, bool kWindow, KvFormat KV>
 cudaError_t launch_d(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                      cudaStream_t stream) {
   switch (plan.rows_max) {
-    case 4: return launch_dr<D, 4, kCap, kWindow>(p, plan, partials, counters, stream);
-    case 8: return launch_dr<D, 8, kCap, kWindow>(p, plan, partials, counters, stream);
+    case 4: return launch_dr<D, 4, kCap, kWindow, KV>(p, plan, partials, counters, stream);
+    case 8: return launch_dr<D, 8, kCap, kWindow, KV>(p, plan, partials, counters, stream);
     default:
-      if constexpr (max_rows(D) >= 16) return launch_dr<D, 16, kCap, kWindow>(p, plan, partials, counters, stream);
+      if constexpr (max_rows(D) >= 16) return launch_dr<D, 16, kCap, kWindow, KV>(p, plan, partials, counters, stream);
       return cudaErrorInvalidValue;  // attention_plan never asks for it (attention_check: at most 8 per KV head)
   }
 }
 
-template <bool kCap, bool kWindow>
+template <bool kCap, bool kWindow, KvFormat KV>
 cudaError_t launch_options(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                            cudaStream_t stream) {
   switch (p.D) {
-    case 64: return launch_d<64, kCap, kWindow>(p, plan, partials, counters, stream);
-    case 128: return launch_d<128, kCap, kWindow>(p, plan, partials, counters, stream);
-    default: return launch_d<256, kCap, kWindow>(p, plan, partials, counters, stream);
+    case 64: return launch_d<64, kCap, kWindow, KV>(p, plan, partials, counters, stream);
+    case 128: return launch_d<128, kCap, kWindow, KV>(p, plan, partials, counters, stream);
+    default: return launch_d<256, kCap, kWindow, KV>(p, plan, partials, counters, stream);
   }
+}
+
+template <KvFormat KV>
+cudaError_t launch_format(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
+                          cudaStream_t stream) {
+  const bool cap = p.softcap > 0.f, window = p.window > 0;
+  if (cap && window) return launch_options<true, true, KV>(p, plan, partials, counters, stream);
+  if (cap) return launch_options<true, false, KV>(p, plan, partials, counters, stream);
+  if (window) return launch_options<false, true, KV>(p, plan, partials, counters, stream);
+  return launch_options<false, false, KV>(p, plan, partials, counters, stream);
 }
 
 }  // namespace
@@ -380,6 +510,7 @@ const char* attention_check(const AttentionProblem& p) {
   if (p.window == 0 || p.window < -1) return "local_window_size must be positive, or -1 (off)";
   if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return "scale must be positive";
   if (p.max_total < 1 || p.max_total > p.C) return "total_sequence_length must be in [1, the cache capacity]";
+  if (kv_quantized(p.kv) && p.kv_scale == nullptr) return "quantized caches need kv_scale [2, kv_num_heads, head_size]";
   for (const void* ptr : {static_cast<const void*>(p.qkv), static_cast<const void*>(p.k_cache),
                           static_cast<const void*>(p.v_cache), static_cast<const void*>(p.cos),
                           static_cast<const void*>(p.sin)})
@@ -419,17 +550,34 @@ AttentionPlan attention_plan(const AttentionProblem& p, int sms) {
 cudaError_t attention_launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials,
                              int32_t* counters, cudaStream_t stream) {
   if (plan.prefill) return attention_prefill_launch(p, plan.dependent, stream);
-  const bool cap = p.softcap > 0.f, window = p.window > 0;
-  if (cap && window) return launch_options<true, true>(p, plan, partials, counters, stream);
-  if (cap) return launch_options<true, false>(p, plan, partials, counters, stream);
-  if (window) return launch_options<false, true>(p, plan, partials, counters, stream);
-  return launch_options<false, false>(p, plan, partials, counters, stream);
+  switch (p.kv) {
+    case KvFormat::kInt8: return launch_format<KvFormat::kInt8>(p, plan, partials, counters, stream);
+    case KvFormat::kFp8E4M3: return launch_format<KvFormat::kFp8E4M3>(p, plan, partials, counters, stream);
+    default: return launch_format<KvFormat::kNative>(p, plan, partials, counters, stream);
+  }
 }
 
 void attention_reference(const AttentionProblem& p) {
   const int G = p.H / p.Hkv, D = p.D, HALF = D / 2, stride = (p.H + 2 * p.Hkv) * D;
   auto f = [](const __half& h) { return __half2float(h); };
   std::vector<float> q(D), score;
+  // The caches' element `at` (KV head g, dimension d): stored from an fp16-exact value (fp16 caches: it,
+  // quantized: its code, kv_quant.h) and read back as a value (code * scale). `which` 0: K, 1: V.
+  auto put = [&](void* cache, size_t at, int which, int g, int d, float value) {
+    const float s = kv_quantized(p.kv) ? p.kv_scale[(size_t(which) * p.Hkv + g) * D + d] : 0.f;
+    if (p.kv == KvFormat::kInt8)
+      static_cast<uint8_t*>(cache)[at] = kv_encode<KvFormat::kInt8>(value, s);
+    else if (p.kv == KvFormat::kFp8E4M3)
+      static_cast<uint8_t*>(cache)[at] = kv_encode<KvFormat::kFp8E4M3>(value, s);
+    else
+      static_cast<__half*>(cache)[at] = __float2half_rn(value);
+  };
+  auto get = [&](const void* cache, size_t at, int which, int g, int d) {
+    if (p.kv == KvFormat::kNative) return f(static_cast<const __half*>(cache)[at]);
+    const float s = p.kv_scale[(size_t(which) * p.Hkv + g) * D + d];
+    const uint8_t code = static_cast<const uint8_t*>(cache)[at];
+    return (p.kv == KvFormat::kInt8 ? kv_decode<KvFormat::kInt8>(code) : kv_decode<KvFormat::kFp8E4M3>(code)) * s;
+  };
   for (int b = 0; b < p.B; ++b) {
     const int total = p.seqlens[b] + 1, past = total - p.S;
     const __half* tok = p.qkv + size_t(b) * p.S * stride;
@@ -447,10 +595,10 @@ void attention_reference(const AttentionProblem& p) {
         for (int d = 0; d < HALF; ++d) {
           float y1, y2;
           rotate(f(k[d]), f(k[d + HALF]), f(p.cos[size_t(pos) * HALF + d]), f(p.sin[size_t(pos) * HALF + d]), y1, y2);
-          p.k_cache[at + d] = __float2half_rn(y1);
-          p.k_cache[at + d + HALF] = __float2half_rn(y2);
-          p.v_cache[at + d] = v[d];
-          p.v_cache[at + d + HALF] = v[d + HALF];
+          put(p.k_cache, at + d, 0, g, d, y1);  // y1, y2 are fp16-exact (rotate rounds)
+          put(p.k_cache, at + d + HALF, 0, g, d + HALF, y2);
+          put(p.v_cache, at + d, 1, g, d, f(v[d]));
+          put(p.v_cache, at + d + HALF, 1, g, d + HALF, f(v[d + HALF]));
         }
       }
     }
@@ -468,7 +616,7 @@ void attention_reference(const AttentionProblem& p) {
         float mx = -INFINITY;
         for (int j = first; j <= pos; ++j) {
           float dot = 0.f;
-          for (int d = 0; d < D; ++d) dot += q[d] * f(p.k_cache[c0 + size_t(j) * D + d]);
+          for (int d = 0; d < D; ++d) dot += q[d] * get(p.k_cache, c0 + size_t(j) * D + d, 0, g, d);
           float sj = dot * p.scale;
           if (p.softcap > 0.f) sj = p.softcap * std::tanh(sj / p.softcap);
           score[j - first] = sj;
@@ -478,7 +626,7 @@ void attention_reference(const AttentionProblem& p) {
         for (float& sj : score) sum += (sj = std::exp(sj - mx));
         for (int d = 0; d < D; ++d) {
           float acc = 0.f;
-          for (int j = first; j <= pos; ++j) acc += score[j - first] * f(p.v_cache[c0 + size_t(j) * D + d]);
+          for (int j = first; j <= pos; ++j) acc += score[j - first] * get(p.v_cache, c0 + size_t(j) * D + d, 1, g, d);
           out[(size_t(s) * p.H + h) * D + d] = __float2half_rn(acc / sum);
         }
       }

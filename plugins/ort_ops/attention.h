@@ -8,7 +8,9 @@
 // Layouts (GroupQueryAttention's, packed QKV, past and present in one buffer):
 //   qkv      [B, S, (H + 2 Hkv) D]   fp16: q heads, then k heads, then v heads of each token
 //   k_cache  [B, Hkv, C, D]          fp16 (v_cache likewise): read for positions < past, written at
-//                                    the S new positions
+//                                    the S new positions; or int8 / fp8 e4m3 codes (kv,
+//                                    ../paged_attention/kv_quant.h) with
+//   kv_scale [2, Hkv, D] float32     the static channel scales of K (0) and V (1), the paged op's layout
 //   seqlens  [B] int32               tokens in row b after this step, minus 1
 //   cos, sin [P, D / 2]              fp16 rotary tables (half-split rotation, not interleaved)
 //   out      [B, S, H D]             fp16
@@ -22,6 +24,14 @@
 //   local_window_size W   a query at position p attends keys p - W + 1 .. p (W keys, itself included:
 //                         transformers' sliding_window, q - k < W); -1: off
 // Each option is a template flag of the kernel: without them the kernels compile to what they were.
+//
+// Quantized caches (kv int8 / fp8 e4m3, a template flag too: fp16 caches compile to what they were): the
+// new K (rotated, fp16) and V are written as codes, code = kv_encode(x, scale[h][d]) (round to nearest,
+// saturate: kv_quant.h, the paged op's rounding), and every key and value the attention reads is the
+// decoded one, value = code * scale, the new tokens' own included (as every later step sees them). The
+// decode kernel widens codes to fp32 in its loads; K's channel scales fold into q, V's into the output
+// (fp32 either way). Prompts on the tensor-core path are not taken with quantized caches: they run on
+// the decode kernel (its query tiles; see attention_prefill.h).
 // A window also narrows each block's key range to the window of its query tile, so key tiles wholly
 // before it are never read.
 //
@@ -53,12 +63,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../paged_attention/kv_quant.h"
+
 namespace enginesmith {
 
 struct AttentionProblem {
   const __half* qkv = nullptr;
-  __half* k_cache = nullptr;
-  __half* v_cache = nullptr;
+  void* k_cache = nullptr;  // [B, Hkv, C, D] fp16, or codes (kv)
+  void* v_cache = nullptr;
   const int32_t* seqlens = nullptr;
   const __half* cos = nullptr;
   const __half* sin = nullptr;
@@ -68,6 +80,8 @@ struct AttentionProblem {
   int max_total = 0;  // host-side bound of seqlens[b] + 1 (total_sequence_length): sizes the splits
   float softcap = 0.f;  // > 0: scores soft-capped (see above); 0: off
   int window = -1;      // local_window_size: > 0 keys a query sees, itself included; -1: all (causal)
+  KvFormat kv = KvFormat::kNative;  // the caches' format (kv_quant.h)
+  const float* kv_scale = nullptr;  // [2, Hkv, D] (quantized caches): K's, then V's channel scales
 };
 
 // What the CUDA launch needs besides the problem: its grid, and workspace sizes for splits > 1.

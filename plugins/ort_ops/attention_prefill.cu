@@ -94,10 +94,12 @@ __global__ void __launch_bounds__(256) append_kv_kernel(AttentionProblem p) {
   uint4 y1, y2;
   rotate8(k1, k2, cs, sn, y1, y2);
   const size_t at = ((size_t(b) * p.Hkv + g) * p.C + pos) * p.D;
-  *reinterpret_cast<uint4*>(p.k_cache + at + c) = y1;
-  *reinterpret_cast<uint4*>(p.k_cache + at + half + c) = y2;
-  *reinterpret_cast<uint4*>(p.v_cache + at + c) = v1;
-  *reinterpret_cast<uint4*>(p.v_cache + at + half + c) = v2;
+  __half* k_cache = static_cast<__half*>(p.k_cache);  // fp16 caches only (prefill_applies)
+  __half* v_cache = static_cast<__half*>(p.v_cache);
+  *reinterpret_cast<uint4*>(k_cache + at + c) = y1;
+  *reinterpret_cast<uint4*>(k_cache + at + half + c) = y2;
+  *reinterpret_cast<uint4*>(v_cache + at + c) = v1;
+  *reinterpret_cast<uint4*>(v_cache + at + half + c) = v2;
 }
 
 // kCap: soft-capped scores (p.softcap); kWindow: a sliding window (p.window).
@@ -134,8 +136,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(AttentionProblem p, i
   const int kv_end = past + t_last + 1;
   const int kv_begin = kWindow ? max(0, past + t_first - p.window + 1) : 0;
   const int n_tiles = (kv_end - kv_begin + kBN - 1) / kBN;
-  const __half* k_base = p.k_cache + (size_t(b) * p.Hkv + g) * p.C * D;
-  const __half* v_base = p.v_cache + (size_t(b) * p.Hkv + g) * p.C * D;
+  const __half* k_base = static_cast<const __half*>(p.k_cache) + (size_t(b) * p.Hkv + g) * p.C * D;  // fp16 caches
+  const __half* v_base = static_cast<const __half*>(p.v_cache) + (size_t(b) * p.Hkv + g) * p.C * D;
   auto copy_tile = [&](int tile) {  // keys at or after kv_end: zero rows, nothing read
     const int t0 = kv_begin + tile * kBN;
     __half* dk = sK + (tile % kStages) * kBN * kStride;
@@ -363,6 +365,7 @@ cudaError_t launch_options(const AttentionProblem& p, bool dependent, cudaStream
 
 bool prefill_applies(const AttentionProblem& p) {
   if (p.S < kPrefillMinTokens || (p.D != 64 && p.D != 128 && p.D != 256)) return false;
+  if (kv_quantized(p.kv)) return false;  // fp16 tiles only (attention_prefill.h): the decode kernel takes them
   // opt-in (ES_GQA_PREFILL=1) until the kernel has run on a GPU against the tests and the benchmark
   const char* env = std::getenv("ES_GQA_PREFILL");
   return env && std::strcmp(env, "1") == 0;

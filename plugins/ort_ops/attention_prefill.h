@@ -18,6 +18,11 @@
 //            O[16 rows x D] += P·V       (P from the S registers as fp16, V by ldmatrix.trans)
 //          each of the 4 warps owns 16 x kMT rows over all keys: O / l ──smem──▶ out (16-byte stores)
 //
+// Quantized caches (int8 / fp8 codes, attention.h) are not taken here: their prompts run on attention.cu's
+// kernel, which reads codes in its loads for any S. Its cp.async tiles copy fp16 bytes as they are; codes
+// would need a register-staged widen-and-store per tile (K's scales into Q, V's into the output), which
+// is left until this opt-in path has run on a GPU at all.
+//
 // Numerics: q and k are rotated and rounded to fp16 as the decode kernel and the CPU reference do; scores,
 // softmax and the output sums are fp32; P is rounded to fp16 for the P·V product (FlashAttention's
 // rounding point); the output is rounded once.
@@ -37,7 +42,7 @@ namespace enginesmith {
 constexpr int kPrefillMinTokens = 64;
 
 // Whether the tensor-core prompt path takes `p`: S >= kPrefillMinTokens, a head size it is built for,
-// and $ES_GQA_PREFILL is not "0" (read per call, so a test or benchmark can compare both paths in one
+// fp16 caches, and $ES_GQA_PREFILL is not "0" (read per call, so a test or benchmark can compare both paths in one
 // process).
 bool prefill_applies(const AttentionProblem& p);
 

@@ -12,14 +12,16 @@
 // (inputs as com.microsoft.SkipSimplifiedLayerNormalization's, outputs y and the residual sum),
 // and the attention of the decoder (see attention.h):
 //   GroupQueryAttention(qkv, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
-//                       sin_cache; num_heads, kv_num_heads, scale, softcap = 0, local_window_size = -1)
-//                       -> output, present_key, present_value
+//                       sin_cache[, kv_scale]; num_heads, kv_num_heads, scale, softcap = 0,
+//                       local_window_size = -1) -> output, present_key, present_value
 // (com.microsoft.GroupQueryAttention's inputs without the unused key/value, packed QKV, rotary always
 // on, past and present one buffer: with another present buffer, past is copied into it first; softcap
-// and local_window_size as com.microsoft's, optional),
+// and local_window_size as com.microsoft's, optional; caches of float16, or of int8 / uint8 = fp8 e4m3
+// codes with kv_scale float32 [2, kv_num_heads, head_size] as the paged op's: one kernel per cache type),
 // and its paged twin for the in-flight-batching engine (see paged_gqa.h):
 //   PagedGroupQueryAttention(qkv, key_pool, value_pool, block_tables, context_lens, slot_mapping,
-//                            cos_cache, sin_cache[, kv_scale]; num_heads, kv_num_heads, scale)
+//                            cos_cache, sin_cache[, kv_scale]; num_heads, kv_num_heads, scale,
+//                            softcap = 0, local_window_size = -1)
 //                            -> output, present_key_pool, present_value_pool
 // (the pools written in place at the new tokens' slots; another present buffer gets a copy first;
 // pools of float16, or of int8 / uint8 = fp8 e4m3 codes with kv_scale float32 [2, kv_num_heads,
@@ -90,11 +92,12 @@ struct OpDef {
   bool cuda;
   bool attention;  // GroupQueryAttention (the other fields are the GEMVs')
   bool paged;      // PagedGroupQueryAttention
-  ElementType pool = kFloat16;  // PagedGroupQueryAttention: its pools' element type (int8, uint8: codes)
+  ElementType pool = kFloat16;  // the attention ops: their pools' / caches' element type (int8, uint8: codes)
 };
 
-// GroupQueryAttention's inputs and outputs; total_sequence_length is read on the host.
-constexpr size_t kAttentionInputs = 7, kAttentionOutputs = 3, kTotalLengthInput = 4;
+// GroupQueryAttention's inputs and outputs; total_sequence_length is read on the host; the last input
+// (kv_scale, float32) is optional: quantized caches only.
+constexpr size_t kAttentionInputs = 8, kAttentionOutputs = 3, kTotalLengthInput = 4, kAttentionScaleInput = 7;
 // PagedGroupQueryAttention's; inputs 3, 4, 5 (block_tables, context_lens, slot_mapping) are int32, the
 // last (kv_scale, float32) is optional: quantized pools only.
 constexpr size_t kPagedInputs = 9, kPagedOutputs = 3, kKvScaleInput = 8;
@@ -343,12 +346,22 @@ OrtStatus* attention_outputs(OrtKernelContext* ctx, const std::vector<int64_t>& 
   return output_like(ctx, 2, cache_dims, present_v);
 }
 
+// Shared with PagedGroupQueryAttention (defined with it below): type names and the input check.
+std::string type_name(ElementType t);
+OrtStatus* expect(const std::string& op, const char* name, const Tensor& t, ElementType type,
+                  const std::vector<int64_t>& want, const std::string& legend);
+
 OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   const std::string& op = k.def->name;
   std::vector<Tensor> in(kAttentionInputs);
-  for (size_t i = 0; i < in.size(); ++i) ORT_TRY(read_input(ctx, i, &in[i]));
+  size_t given = 0;
+  ORT_TRY(g_api->KernelContextGetInputCount(ctx, &given));
+  const OrtValue* scale_value = nullptr;
+  if (given > kAttentionScaleInput) ORT_TRY(g_api->KernelContextGetInput(ctx, kAttentionScaleInput, &scale_value));
+  for (size_t i = 0; i < in.size(); ++i)
+    if (i != kAttentionScaleInput || scale_value != nullptr) ORT_TRY(read_input(ctx, i, &in[i]));
   const Tensor &qkv = in[0], &past_k = in[1], &past_v = in[2], &seqlens = in[3], &total = in[4], &cos = in[5],
-               &sin = in[6];
+               &sin = in[6], &kv_scale = in[kAttentionScaleInput];
   AttentionProblem p;
   p.H = int(k.heads);
   p.Hkv = int(k.kv_heads);
@@ -360,12 +373,26 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   p.B = int(qkv.dims[0]);
   p.S = int(qkv.dims[1]);
   p.D = int(qkv.dims[2] / (p.H + 2 * p.Hkv));
+  const ElementType cache_type = k.def->pool;
   for (const Tensor* t : {&past_k, &past_v})
-    if (t->type != kFloat16 || t->dims.size() != 4 || t->dims[0] != p.B || t->dims[1] != p.Hkv || t->dims[3] != p.D ||
-        t->dims != past_k.dims)
-      return error(op + ": past_key and past_value must be float16 [B, kv_num_heads, capacity, head_size] with B = " +
-                   std::to_string(p.B) + ", head_size = " + std::to_string(p.D));
+    if (t->type != cache_type || t->dims.size() != 4 || t->dims[0] != p.B || t->dims[1] != p.Hkv ||
+        t->dims[3] != p.D || t->dims != past_k.dims)
+      return error(op + ": past_key and past_value must be " + type_name(cache_type) +
+                   " [B, kv_num_heads, capacity, head_size] with B = " + std::to_string(p.B) + ", head_size = " +
+                   std::to_string(p.D));
   p.C = int(past_k.dims[2]);
+  p.kv = cache_type == kInt8    ? enginesmith::KvFormat::kInt8
+         : cache_type == kUint8 ? enginesmith::KvFormat::kFp8E4M3 : enginesmith::KvFormat::kNative;
+  if (enginesmith::kv_quantized(p.kv)) {  // the paged op's rule and layout (kv_quant.h)
+    if (scale_value == nullptr)
+      return error(op + ": " + type_name(cache_type) + " caches hold codes and need kv_scale (input 7), float32 "
+                   "[2, kv_num_heads, head_size]");
+    ORT_TRY(expect(op, "kv_scale", kv_scale, kFloat, {2, p.Hkv, p.D},
+                   "[2, kv_num_heads = " + std::to_string(p.Hkv) + ", head_size = " + std::to_string(p.D) + "]"));
+    p.kv_scale = static_cast<const float*>(kv_scale.data);
+  } else if (scale_value != nullptr) {
+    return error(op + ": kv_scale is for int8 / uint8 (fp8 e4m3) caches; float16 caches hold the values");
+  }
   if (seqlens.type != kInt32 || seqlens.dims != std::vector<int64_t>{p.B})
     return error(op + ": seqlens_k must be int32 [B]");
   int64_t total_elems = 1;
@@ -383,11 +410,12 @@ OrtStatus* compute_attention(Kernel& k, OrtKernelContext* ctx) {
   void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
   ORT_TRY(attention_outputs(ctx, {p.B, p.S, int64_t(p.H) * p.D}, past_k.dims, &out, &present_k, &present_v));
   p.out = static_cast<__half*>(out);
-  p.k_cache = static_cast<__half*>(present_k);
-  p.v_cache = static_cast<__half*>(present_v);
+  p.k_cache = present_k;
+  p.v_cache = present_v;
   if (p.B == 0 || p.S == 0) return nullptr;
   if (const char* why = enginesmith::attention_check(p); *why) return error(op + ": " + why);
-  const size_t cache_bytes = size_t(p.B) * p.Hkv * p.C * p.D * sizeof(__half);
+  const size_t item = enginesmith::kv_quantized(p.kv) ? 1 : sizeof(__half);  // a code, or an fp16 value
+  const size_t cache_bytes = size_t(p.B) * p.Hkv * p.C * p.D * item;
   if (!k.def->cuda) {
     if (present_k != past_k.data) std::memcpy(present_k, past_k.data, cache_bytes);
     if (present_v != past_v.data) std::memcpy(present_v, past_v.data, cache_bytes);
@@ -482,6 +510,8 @@ OrtStatus* compute_paged_attention(Kernel& k, OrtKernelContext* ctx) {
   ORT_TRY(expect(op, "sin_cache", sin, kFloat16, cos.dims, "with cos_cache's shape " + dims_text(cos.dims)));
   p.P = int(cos.dims[0]);
   p.scale = k.scale > 0.f ? k.scale : 1.f / std::sqrt(float(p.D));
+  p.softcap = k.softcap;
+  p.window = int(k.window);
   p.qkv = static_cast<const __half*>(qkv.data);
   p.block_tables = static_cast<const int32_t*>(tables.data);
   p.context_lens = static_cast<const int32_t*>(lens.data);
@@ -638,7 +668,7 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     if (!s && (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads != 0))
       s = error(d.name + ": num_heads must be a positive multiple of kv_num_heads");
     if (!s && d.attention && !(kernel->scale > 0.f)) s = error(d.name + ": scale must be positive");
-    if (!s && d.attention) s = optional_attributes(info, kernel);
+    if (!s) s = optional_attributes(info, kernel);  // both ops: softcap, local_window_size
     if (!s && d.paged && !(kernel->scale >= 0.f && std::isfinite(kernel->scale)))
       s = error(d.name + ": scale must be positive, or 0 for 1 / sqrt(head_size)");
     if (!s && d.cuda) {
@@ -703,7 +733,11 @@ ElementType input_type(const CustomOp* op, size_t i) {
   if (d.paged) {  // the pools, block_tables, context_lens, slot_mapping, kv_scale
     return (i == 1 || i == 2) ? d.pool : (i >= 3 && i <= 5) ? kInt32 : i == kKvScaleInput ? kFloat : kFloat16;
   }
-  if (d.attention) return (i == 3 || i == kTotalLengthInput) ? kInt32 : kFloat16;
+  if (d.attention)  // the caches, seqlens_k, total_sequence_length, kv_scale
+    return (i == 1 || i == 2)                           ? d.pool
+           : (i == 3 || i == kTotalLengthInput)         ? kInt32
+           : i == kAttentionScaleInput                  ? kFloat
+                                                        : kFloat16;
   if (i < first_weight(d) || !d.q4) return kFloat16;
   return ((i - first_weight(d)) % 2 == 0) ? kUint8 : kFloat16;  // B, scales, B, scales
 }
@@ -731,13 +765,15 @@ OpDef make(bool swiglu, bool q4, Norm norm, bool cuda, bool attention = false, b
   o.GetInputType = input_type;
   o.GetInputTypeCount = [](const CustomOp* op) { return input_count(def_of(op)); };
   o.GetOutputType = [](const CustomOp* op, size_t i) {
-    return def_of(op).paged && (i == 1 || i == 2) ? def_of(op).pool : kFloat16;  // present pools: the pools' type
+    const OpDef& d = def_of(op);  // present pools / caches: the pools' / caches' type
+    return (d.paged || d.attention) && (i == 1 || i == 2) ? d.pool : kFloat16;
   };
   o.GetOutputTypeCount = [](const CustomOp* op) { return output_count(def_of(op)); };
   o.KernelCompute = compute_v1;
   o.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   o.GetInputCharacteristic = [](const CustomOp* op, size_t i) {
-    return def_of(op).paged && i == kKvScaleInput ? 1 : 0;  // 1: optional
+    const OpDef& d = def_of(op);  // 1: optional (kv_scale)
+    return (d.paged && i == kKvScaleInput) || (d.attention && i == kAttentionScaleInput) ? 1 : 0;
   };
   o.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
   o.GetInputMemoryType = [](const CustomOp* op, size_t i) {
@@ -762,7 +798,9 @@ std::vector<OpDef>& ops() {
       for (Norm norm : {Norm::kNone, Norm::kRms, Norm::kSkipRms})
         for (bool swiglu : {false, true})
           for (bool q4 : {false, true}) v.push_back(make(swiglu, q4, norm, cuda));
-    for (bool cuda : {false, true}) v.push_back(make(false, false, Norm::kNone, cuda, true));
+    for (bool cuda : {false, true})
+      for (ElementType cache : {kFloat16, kInt8, kUint8})  // one kernel per cache type, one op
+        v.push_back(make(false, false, Norm::kNone, cuda, true, false, cache));
     for (bool cuda : {false, true})
       for (ElementType pool : {kFloat16, kInt8, kUint8})  // one kernel per pool type, one op
         v.push_back(make(false, false, Norm::kNone, cuda, false, true, pool));

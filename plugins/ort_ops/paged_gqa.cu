@@ -136,6 +136,8 @@ std::string paged_gqa_check(const PagedGqaProblem& p) {
   if (kv_quantized(p.kv) && p.kv_scale == nullptr)
     return std::string(kv_format_name(p.kv)) + " pools need kv_scale [2, kv_num_heads, head_size]";
   if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return "scale must be positive (or 0 for 1 / sqrt(head_size))";
+  if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap)) return "softcap must be >= 0 (0: off)";
+  if (p.window == 0 || p.window < -1) return "local_window_size must be positive, or -1 (off)";
   if (int64_t(p.NB) * p.BS > std::numeric_limits<int32_t>::max()) return "the pool has more slots than int32 holds";
   return "";
 }
@@ -143,8 +145,8 @@ std::string paged_gqa_check(const PagedGqaProblem& p) {
 Status paged_gqa_plan(const PagedGqaProblem& p, PagedGqaPlan* plan, bool batch_invariant) {
   int slots = 0;
   ES_RETURN_IF_ERROR(pa::resident_slots(DType::kFloat16, p.D, p.BS, &slots, p.kv));
-  plan->splits = batch_invariant ? pa::choose_num_splits(1, 1, p.H, p.Hkv, p.MB, p.BS, slots)
-                                 : pa::choose_num_splits(p.B, p.S, p.H, p.Hkv, p.MB, p.BS, slots);
+  plan->splits = batch_invariant ? pa::choose_num_splits(1, 1, p.H, p.Hkv, p.MB, p.BS, slots, p.window)
+                                 : pa::choose_num_splits(p.B, p.S, p.H, p.Hkv, p.MB, p.BS, slots, p.window);
   plan->scratch_bytes = scratch_layout(p, plan->splits).total;
   plan->counters = plan->splits > 1 ? pa::split_counters_needed(p.B, p.S, p.H, p.Hkv) : 0;
   return Status::Ok();
@@ -191,6 +193,8 @@ Status paged_gqa_launch(const PagedGqaProblem& p, const PagedGqaPlan& plan, void
   a.max_blocks_per_seq = p.MB;
   a.num_splits = plan.splits;
   a.scale = p.scale;
+  a.softcap = p.softcap;
+  a.window = p.window;
   a.kv_format = p.kv;
   if (kv_quantized(p.kv)) {
     a.k_scale = p.kv_scale;
@@ -265,7 +269,9 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
         }
       }
     }
-    for (int i = 0; i < (ctx + p.BS - 1) / p.BS; ++i) bad |= table[i] < 0 || table[i] >= p.NB;
+    // the pages read: all of the row's, or (window) from the page of the first column's window start
+    const int first_page = p.window > 0 ? std::max(0, ctx - p.S - p.window + 1) / p.BS : 0;
+    for (int i = first_page; i < (ctx + p.BS - 1) / p.BS; ++i) bad |= table[i] < 0 || table[i] >= p.NB;
     if (bad) {
       poison();
       continue;
@@ -279,24 +285,27 @@ void paged_gqa_reference(const PagedGqaProblem& p) {
         std::fill(out + size_t(s) * p.H * D, out + size_t(s + 1) * p.H * D, __float2half(0.f));
         continue;
       }
+      const int first = p.window > 0 ? std::max(0, pos - p.window + 1) : 0;  // keys first .. pos
       for (int h = 0; h < p.H; ++h) {
         const int g = h / G;
         rotated(s, h * D, pos, q);
-        score.assign(pos + 1, 0.f);
+        score.assign(pos + 1 - first, 0.f);
         float mx = -INFINITY;
-        for (int j = 0; j <= pos; ++j) {
+        for (int j = first; j <= pos; ++j) {
           get(p.key_pool, cached(j, g), 0, g, row);
           float dot = 0.f;
           for (int d = 0; d < D; ++d) dot += q[d] * row[d];
-          score[j] = dot * p.scale;
-          mx = std::max(mx, score[j]);
+          float sj = dot * p.scale;
+          if (p.softcap > 0.f) sj = p.softcap * std::tanh(sj / p.softcap);
+          score[j - first] = sj;
+          mx = std::max(mx, sj);
         }
         float sum = 0.f;
         for (float& sj : score) sum += (sj = std::exp(sj - mx));
         acc.assign(D, 0.f);  // each dimension summed over j in order (as attention_reference does)
-        for (int j = 0; j <= pos; ++j) {
+        for (int j = first; j <= pos; ++j) {
           get(p.value_pool, cached(j, g), 1, g, row);
-          for (int d = 0; d < D; ++d) acc[d] += score[j] * row[d];
+          for (int d = 0; d < D; ++d) acc[d] += score[j - first] * row[d];
         }
         for (int d = 0; d < D; ++d) out[(size_t(s) * p.H + h) * D + d] = __float2half_rn(acc[d] / sum);
       }

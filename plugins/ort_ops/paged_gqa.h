@@ -2,8 +2,8 @@
 // kept in pages (plugins/paged_attention), for the GPU in-flight-batching engine.
 //
 // Dimension legend: B rows (sequences), S new tokens (columns) per row, H query heads, Hkv key/value
-// heads (G = H / Hkv), D head size, NB pages in the pool, BS tokens per page, MB page slots per row in
-// the block table, P positions in the rotary tables.
+// heads (G = H / Hkv), D head size (64, 128, 256: plugins/limits.json), NB pages in the pool, BS tokens
+// per page, MB page slots per row in the block table, P positions in the rotary tables, W window.
 //
 // Layouts:
 //   qkv          [B, S, (H + 2 Hkv) D]  fp16: q heads, then k heads, then v heads of each token
@@ -20,16 +20,23 @@
 // rounded to fp16 (that k goes into the cache, encoded with its scale when quantized: the value the
 // column then attends to is the decoded one, as every later column sees it); the new K/V of non-padding columns are written to
 // their slots; each column attends causally to positions 0 .. p of its row (through the block
-// table). Scores and softmax are fp32; the output is rounded once. Padding columns sit right of the
+// table). Scores and softmax are fp32; the output is rounded once. Options, as the dense op's
+// (attention.h, com.microsoft.GroupQueryAttention's):
+//   softcap > 0   score = softcap * tanh(scale q.k / softcap), before the mask and softmax
+//   window W > 0  (local_window_size) column s attends to positions p - W + 1 .. p only; the row's
+//                 table entries are read (and checked) from the page holding p0 - W + 1 on, p0 the
+//                 first column's position: pages wholly before it are never read.
+// Padding columns sit right of the
 // real ones (the runtime pads on the right): real columns never see them; their own outputs are
 // unspecified (the reference writes zeros).
 //
 // Bad data on the device (paged_attention.h's rule: NaN outputs, never a plausible wrong number):
 //   context_lens[b] outside [S, MB * BS], or a real column at a position >= P   row NaN, nothing written
 //   a block-table entry of a position < context_lens[b] outside [0, NB)        row NaN
+//     (with a window: of a position in the pages read, see above)
 //   a slot that is not its position's slot (or outside the pool)               row NaN, that slot not written
-// The pool must hold finite values at every position a row's context covers (the kernel weighs the
-// masked ones, padding positions included, by an exact 0).
+// The pool must hold finite values at every position a row's context covers, with a window in the
+// pages read (the kernel weighs the masked ones, padding positions included, by an exact 0).
 //
 // CUDA path, two kernels on one stream, no host sync (capturable in a CUDA graph):
 //
@@ -68,6 +75,8 @@ struct PagedGqaProblem {
   __half* out = nullptr;                 // [B, S, H D]
   int B = 0, S = 0, H = 0, Hkv = 0, D = 0, NB = 0, BS = 0, MB = 0, P = 0;
   float scale = 0.f;  // softmax scale, > 0 (the op resolves its attribute's 0 to 1 / sqrt(D))
+  float softcap = 0.f;  // > 0: scores soft-capped (see above); 0: off
+  int window = -1;      // local_window_size: > 0 keys a column sees, itself included; -1: all (causal)
   KvFormat kv = KvFormat::kNative;       // the pools' format (kv_quant.h)
   const float* kv_scale = nullptr;       // [2, Hkv, D] (quantized pools): K's, then V's channel scales
 };

@@ -1,9 +1,11 @@
 // Paged attention: launcher and dispatch table (layers 2 and 3). Kernels: paged_attention_kernels.cuh.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "paged_attention.h"
 #include "paged_attention_kernels.cuh"
@@ -29,21 +31,38 @@ struct Entry {
     int block_size;
     Variant single_tile;  // G * Sq <= kRowsPerCta
     Variant multi_tile;   // G * Sq > kRowsPerCta: kMultiTiles row tiles per block
+    Variant single_ext;   // the same with soft-capping / a window (kExt; fp16 only: else kernel null)
+    Variant multi_ext;
     ReduceFn reduce;
     std::atomic<int>* slots;  // cached resident_slots (0 = not yet asked)
 
-    Variant const& variant(int rows) const { return block_rows(rows) > kRowsPerCta ? multi_tile : single_tile; }
+    Variant const& variant(int rows, bool ext = false) const {
+        const bool multi = block_rows(rows) > kRowsPerCta;
+        return ext ? (multi ? multi_ext : single_ext) : (multi ? multi_tile : single_tile);
+    }
 };
 
+template <typename T, int D, int BS, KvFormat KV, int kMT, bool kExt>
+Variant make_variant() {
+    static std::atomic<bool> configured{false};
+    return Variant{&detail::paged_attention_kernel<T, D, BS, kMT, KV, kExt>, detail::smem_bytes<T, D, kMT, KV>(),
+        &configured};
+}
+
+// kExt variants (soft-capping, windows) are compiled for fp16, the compute dtype of the ONNX Runtime
+// op that has the options; bf16 entries have none (check_config says so).
 template <typename T, int D, int BS, KvFormat KV = KvFormat::kNative>
 Entry make_entry(DType dtype) {
-    static std::atomic<bool> configured_single{false}, configured_multi{false};
     static std::atomic<int> slots{0};
-    return Entry{dtype, KV, D, BS,
-        Variant{&detail::paged_attention_kernel<T, D, BS, 1, KV>, detail::smem_bytes<T, D, 1, KV>(), &configured_single},
-        Variant{&detail::paged_attention_kernel<T, D, BS, kMultiTiles, KV>, detail::smem_bytes<T, D, kMultiTiles, KV>(),
-            &configured_multi},
-        &detail::paged_attention_reduce_kernel<T, D>, &slots};
+    constexpr bool kHasExt = std::is_same<T, __half>::value;
+    Variant const none{nullptr, 0, nullptr};
+    Variant single_ext = none, multi_ext = none;
+    if constexpr (kHasExt) {
+        single_ext = make_variant<T, D, BS, KV, 1, true>();
+        multi_ext = make_variant<T, D, BS, KV, kMultiTiles, true>();
+    }
+    return Entry{dtype, KV, D, BS, make_variant<T, D, BS, KV, 1, false>(), make_variant<T, D, BS, KV, kMultiTiles, false>(),
+        single_ext, multi_ext, &detail::paged_attention_reduce_kernel<T, D>, &slots};
 }
 
 // The dispatch table: every (dtype, KV format, head size, block size) with a compiled kernel. Anything
@@ -56,12 +75,18 @@ Entry const* find_entry(DType dtype, int head_size, int block_size, KvFormat kv 
         make_entry<__half, 128, 16>(DType::kFloat16),
         make_entry<__half, 128, 32>(DType::kFloat16),
         make_entry<__half, 128, 64>(DType::kFloat16),
+        make_entry<__half, 256, 16>(DType::kFloat16),
+        make_entry<__half, 256, 32>(DType::kFloat16),
+        make_entry<__half, 256, 64>(DType::kFloat16),
         make_entry<__nv_bfloat16, 64, 16>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 64, 32>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 64, 64>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 128, 16>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 128, 32>(DType::kBFloat16),
         make_entry<__nv_bfloat16, 128, 64>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 256, 16>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 256, 32>(DType::kBFloat16),
+        make_entry<__nv_bfloat16, 256, 64>(DType::kBFloat16),
         // quantized pages (kv_quant.h): fp16 compute
         make_entry<__half, 64, 16, KvFormat::kInt8>(DType::kFloat16),
         make_entry<__half, 64, 32, KvFormat::kInt8>(DType::kFloat16),
@@ -69,12 +94,18 @@ Entry const* find_entry(DType dtype, int head_size, int block_size, KvFormat kv 
         make_entry<__half, 128, 16, KvFormat::kInt8>(DType::kFloat16),
         make_entry<__half, 128, 32, KvFormat::kInt8>(DType::kFloat16),
         make_entry<__half, 128, 64, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 256, 16, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 256, 32, KvFormat::kInt8>(DType::kFloat16),
+        make_entry<__half, 256, 64, KvFormat::kInt8>(DType::kFloat16),
         make_entry<__half, 64, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
         make_entry<__half, 64, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
         make_entry<__half, 64, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
         make_entry<__half, 128, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
         make_entry<__half, 128, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
         make_entry<__half, 128, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 256, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 256, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
+        make_entry<__half, 256, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
     };
     for (Entry const& e : kTable)
         if (e.dtype == dtype && e.kv_format == kv && e.head_size == head_size && e.block_size == block_size) return &e;
@@ -168,19 +199,21 @@ static bool dependent_launch_supported() {
 }
 
 int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
-    int block_size, int slots) {
+    int block_size, int slots, int window) {
     if (batch <= 0 || num_kv_heads <= 0) return 1;
     const int rows = num_heads / num_kv_heads * query_len;
     const int row_blocks = ceil_div(rows, block_rows(rows));
     const int base = batch * num_kv_heads * row_blocks;
     const int want = std::max(1, std::max(slots, 1) / base);  // at most one full wave
-    const int by_len = std::max(1, max_blocks_per_seq * block_size / kMinTokensPerSplit);
+    // the keys a sequence's blocks read: the table's full length, or (window) its window's span
+    const int tokens = window > 0 ? std::min(max_blocks_per_seq * block_size, window_span(window, query_len, block_size))
+                                  : max_blocks_per_seq * block_size;
+    const int by_len = std::max(1, tokens / kMinTokensPerSplit);
     const int splits = std::max(1, std::min({want, by_len, kMaxSplits}));
     // The kernel gives each split whole kTileTokens tiles (ceil(ctx / splits) rounded up), so at the
     // table's full length some trailing splits may get no tokens (33 wanted at 8k-32k on an H200 ->
     // 32 used): drop them (no empty blocks, one partial fewer per row for the reduce). Never more
     // than before, and monotone in `slots`, so workspace_bound still covers every launch.
-    const int tokens = max_blocks_per_seq * block_size;
     const int per_split = ceil_div(ceil_div(tokens, splits), kTileTokens) * kTileTokens;
     return std::max(1, std::min(splits, ceil_div(tokens, per_split)));
 }
@@ -233,15 +266,23 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     if (kv_quantized(p.kv_format) && (p.k_scale == nullptr || p.v_scale == nullptr))
         return Status::Error(std::string("paged attention: ") + kv_format_name(p.kv_format) +
                              " KV pages need k_scale and v_scale [num_kv_heads, head_size]");
+    if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap))
+        return Status::Error("paged attention: softcap must be >= 0 (0: off), got " + std::to_string(p.softcap));
+    if (p.window == 0 || p.window < -1)
+        return Status::Error("paged attention: window must be positive, or -1 (off), got " + std::to_string(p.window));
+    const bool ext = p.softcap > 0.f || p.window > 0;
     Entry const* e = find_entry(p.dtype, p.head_size, p.block_size, p.kv_format);
     const int group = p.num_heads / p.num_kv_heads;
-    Variant const& kernel = e->variant(group * p.query_len);
+    Variant const& kernel = e->variant(group * p.query_len, ext);
+    if (kernel.kernel == nullptr)
+        return Status::Error(std::string("paged attention: soft-capping and windows are compiled for float16 only, got ") +
+                             dtypeName(p.dtype));
     ES_RETURN_IF_ERROR(configure_smem(kernel));
     if (p.num_splits <= 0 && slots <= 0)
         ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots, p.kv_format));
     int splits = p.num_splits > 0 ? p.num_splits
                                   : choose_num_splits(p.batch, p.query_len, p.num_heads, p.num_kv_heads,
-                                        p.max_blocks_per_seq, p.block_size, slots);
+                                        p.max_blocks_per_seq, p.block_size, slots, p.window);
     if (splits > kMaxSplits)
         return Status::Error("paged attention: num_splits " + std::to_string(splits) + " exceeds " +
                              std::to_string(kMaxSplits));

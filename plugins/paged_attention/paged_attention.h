@@ -14,8 +14,15 @@
 //   block_tables [B, MB] int32   page of the sequence's i-th block of BS tokens
 //   context_lens [B] int32       tokens in the cache for the sequence, the Sq new ones included
 //   out          [B, Sq, H, D]
-// Query token s of sequence b sits at position context_lens[b] - Sq + s and attends causally to the
-// cache positions 0 .. context_lens[b] - Sq + s.
+// Query token s of sequence b sits at position p = context_lens[b] - Sq + s and attends causally to the
+// cache positions 0 .. p. Options (fp16 compute; a template flag of the kernel, so without them the
+// kernels compile to what they were):
+//   softcap > 0   score = softcap * tanh(scale q.k / softcap), before the mask and softmax (Gemma 2)
+//   window W > 0  token s attends to positions p - W + 1 .. p only (W keys, itself included:
+//                 transformers' sliding_window, com.microsoft.GroupQueryAttention's local_window_size).
+//                 Each sequence's key range then starts at the page holding its first token's window
+//                 start: pages wholly before it are not read (nor their table entries checked), and
+//                 the flash-decoding splits divide that range (choose_num_splits sizes them by it).
 //
 // Long contexts are split across thread blocks (flash-decoding): each of num_splits blocks of a
 // (sequence, KV head) reads its own range of the cache once and writes a partial output and its
@@ -125,6 +132,9 @@ struct Params {
     KvFormat kv_format = KvFormat::kNative;
     float const* k_scale = nullptr;  // [Hkv, D] float32 (quantized formats)
     float const* v_scale = nullptr;  // [Hkv, D] float32
+    // Options (see above; last, so the fields before keep their offsets and the plain kernels their code).
+    float softcap = 0.f;          // > 0: soft-capped scores; 0: off
+    int window = -1;              // > 0: a sliding window of W keys; -1: off
 };
 
 struct WriteKVParams {
@@ -154,10 +164,15 @@ Status resident_slots(DType dtype, int head_size, int block_size, int* slots, Kv
 // The split count the launcher uses when Params::num_splits == 0: about one full wave of blocks
 // (`slots`, from resident_slots), at least kMinTokensPerSplit tokens per split, less any trailing
 // splits that whole-tile split ranges would leave empty at the table's full length. It depends only on
-// host-known shapes (the block table width bounds the context), so the TensorRT wrapper can size its
-// workspace from the profile's maximum shapes.
+// host-known shapes (the block table width bounds the context; with a window W > 0, the key range
+// is at most W + Sq + BS - 2 positions), so the TensorRT wrapper can size its workspace from the
+// profile's maximum shapes.
 int choose_num_splits(int batch, int query_len, int num_heads, int num_kv_heads, int max_blocks_per_seq,
-    int block_size, int slots);
+    int block_size, int slots, int window = -1);
+
+// Keys a sequence's blocks read with a window W > 0: from the page holding its first query token's
+// window start to the context's end, at most this many (also the table's full length bound).
+constexpr int window_span(int window, int query_len, int block_size) { return window + query_len + block_size - 2; }
 
 // Workspace bytes for the partial outputs of num_splits splits (0 when num_splits <= 1). Scratch:
 // its contents need not survive between calls.

@@ -25,6 +25,13 @@
 //     folded into the query registers, the V scales into the output: no per-element multiply.
 //       pages ──cp.async 8 B──▶ smem codes [stages][64][D] ──widen──▶ smem fp16 K/V tile [64][D+8]
 //   The native path is the same template with KV = kNative: the quantized steps compile away.
+//   options (kExt: Params::softcap, Params::window; off, the kernel compiles to the plain one): the
+//     scores are soft-capped before the mask; a window moves the sequence's key range [lo, ctx) to
+//     start at the page of its first token's window start (the splits divide that range) and masks
+//     each row's keys below its own window as the causal limit masks those above.
+//   D = 256 (Gemma): the same kernel, at one block an SM (shared memory) and with register spills
+//     (sm_90: 12-104 bytes a thread at kMT = 1, 124-268 at kMT = 4): slower per byte than D = 64 /
+//     128, not tuned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -118,12 +125,21 @@ __device__ __forceinline__ uint4 widen_codes(uint2 codes) {
 // weigh 0; a NaN lse (bad data) sets *any_nan. Kept small on purpose: the earlier last-block merge,
 // fully unrolled over 32 float4 loads a thread, ran ~25 us per call on an H100 (ncu: warps stalled
 // fetching instructions, i.e. instruction-cache misses of one block running a long cold code path).
+struct alignas(16) Float8 {
+    float4 lo, hi;
+};
+
 template <int D>
 struct MergeVec {
     static constexpr int V = D / 32;  // floats per lane
-    static_assert(V == 2 || V == 4, "the split merge handles D = 64 or 128");
-    using Type = typename std::conditional<V == 4, float4, float2>::type;
+    static_assert(V == 2 || V == 4 || V == 8, "the split merge handles D = 64, 128 or 256");
+    using Type = typename std::conditional<V == 8, Float8, typename std::conditional<V == 4, float4, float2>::type>::type;
 };
+
+// A lane's V floats of a partial, through L2.
+__device__ __forceinline__ float2 load_cg(float2 const* p) { return __ldcg(p); }
+__device__ __forceinline__ float4 load_cg(float4 const* p) { return __ldcg(p); }
+__device__ __forceinline__ Float8 load_cg(Float8 const* p) { return Float8{__ldcg(&p->lo), __ldcg(&p->hi)}; }
 
 template <int D, int kChunk>
 __device__ __forceinline__ void merge_split_range(Params const& p, size_t row, int num_splits, int first, int stride,
@@ -145,7 +161,7 @@ __device__ __forceinline__ void merge_split_range(Params const& p, size_t row, i
             const int i = base + u * stride;
             if (i < num_splits) {
                 x[u] = __ldcg(lse + i);
-                o[u] = __ldcg(reinterpret_cast<Vec const*>(po + static_cast<size_t>(i) * D));
+                o[u] = load_cg(reinterpret_cast<Vec const*>(po + static_cast<size_t>(i) * D));
             } else {
                 x[u] = -INFINITY;  // weight 0
             }
@@ -166,11 +182,22 @@ __device__ __forceinline__ void merge_split_range(Params const& p, size_t row, i
             if (!(x[u] > -INFINITY)) continue;  // empty split, padding, or NaN (flagged)
             const float w = exp2f(x[u] - cm);
             sum += w;
-            acc[0] += w * o[u].x;
-            acc[1] += w * o[u].y;
-            if constexpr (V == 4) {
-                acc[2] += w * o[u].z;
-                acc[3] += w * o[u].w;
+            if constexpr (V == 8) {
+                float4 const h[2] = {o[u].lo, o[u].hi};
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    acc[4 * q] += w * h[q].x;
+                    acc[4 * q + 1] += w * h[q].y;
+                    acc[4 * q + 2] += w * h[q].z;
+                    acc[4 * q + 3] += w * h[q].w;
+                }
+            } else {
+                acc[0] += w * o[u].x;
+                acc[1] += w * o[u].y;
+                if constexpr (V == 4) {
+                    acc[2] += w * o[u].z;
+                    acc[3] += w * o[u].w;
+                }
             }
         }
         m = cm;
@@ -205,7 +232,8 @@ __device__ __forceinline__ void merge_splits(Params const& p, int const* s_out_r
 // tokens (16 each) for the block's 16 rows and are merged at the end. kMultiTiles (G * Sq > 16:
 // speculative verification, chunked prefill): warp w owns rows 16w..16w+15 and runs all 64 tokens of
 // every tile, so the 64 rows share one read of the K/V (before, each 16-row block re-read them).
-template <typename T, int D, int BS, int kMT, KvFormat KV = KvFormat::kNative>
+// kExt: soft-capping and the sliding window (Params::softcap, Params::window, each on when > 0).
+template <typename T, int D, int BS, int kMT, KvFormat KV = KvFormat::kNative, bool kExt = false>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int row_blocks) {
     static_assert(kMT == 1 || kMT == kWarps, "one row tile per block, or one per warp");
     constexpr bool kQuant = kv_quantized(KV);
@@ -326,10 +354,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int ctx = p.context_lens[b];
     const bool bad_ctx = ctx < p.query_len || ctx > p.max_blocks_per_seq * BS;
     const int ctx_eff = bad_ctx ? 0 : ctx;
-    // This split's token range [t_begin, t_end), whole tiles except the last.
-    int per_split = (ctx_eff + num_splits - 1) / num_splits;
+    // The sequence's key range [lo, ctx_eff): all of it, or (window) from the page holding its first
+    // token's window start. This split's range [t_begin, t_end): whole tiles of it except the last.
+    const int window = kExt && p.window > 0 ? p.window : 0;
+    const int lo = window > 0 ? max(0, ctx_eff - p.query_len - window + 1) / BS * BS : 0;
+    int per_split = (ctx_eff - lo + num_splits - 1) / num_splits;
     per_split = (per_split + kTileTokens - 1) / kTileTokens * kTileTokens;
-    const int t_begin = split * per_split;
+    const int t_begin = lo + split * per_split;
     const int t_end = min(ctx_eff, t_begin + per_split);
     const int num_tiles = t_end > t_begin ? (t_end - t_begin + kTileTokens - 1) / kTileTokens : 0;
     __syncthreads();
@@ -545,14 +576,22 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
     const int mi = lane >> 3;   // which 8x8 matrix this lane addresses in an ldmatrix.x4
     const int r8 = lane & 7;    // which row of it
     const float scale_log2 = (p.scale > 0.f ? p.scale : rsqrtf(static_cast<float>(D))) * kLog2e;
+    // kExt soft-capping: score = softcap * tanh(scale q.k / softcap), in the log2 domain
+    // cap_log2e * tanh(y) with y = scale q.k / softcap; tanh(y) = 1 - 2 / (1 + 2^(2 log2e y)) (exp2f:
+    // accurate under --use_fast_math, where tanhf may not be), exactly +-1 where 2^.. over/underflows.
+    const bool cap = kExt && p.softcap > 0.f;
+    const float cap_exp2 = cap ? 2.f * kLog2e * (p.scale > 0.f ? p.scale : rsqrtf(static_cast<float>(D))) / p.softcap : 0.f;
+    const float cap_log2e = cap ? p.softcap * kLog2e : 0.f;
 
-    // Exclusive causal limit per owned row: row (s) sees positions < ctx - Sq + s + 1.
-    int limit[2];
+    // Exclusive causal limit per owned row: row (s) sees positions < ctx - Sq + s + 1; with a window,
+    // also >= ctx - Sq + s - W + 1 (first[i]).
+    int limit[2], first[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int row = row0 + (kMT == 1 ? 0 : warp * 16) + gid + 8 * i;  // this warp's row tile
         const int s = row < rows_total ? row / group : p.query_len - 1;
         limit[i] = min(t_end, ctx_eff - p.query_len + s + 1);
+        first[i] = window > 0 ? ctx_eff - p.query_len + s - window + 1 : 0;
     }
 
     uint32_t qf[D / 16][4];
@@ -656,7 +695,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(Params p, int
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int tok = tbase + c * 16 + j * 8 + tig * 2 + (e & 1);
-                    s[c][j][e] = tok < limit[e >> 1] ? s[c][j][e] * scale_log2 : -INFINITY;
+                    if constexpr (kExt) {
+                        const float y = cap ? cap_log2e * (1.f - 2.f / (1.f + exp2f(cap_exp2 * s[c][j][e])))
+                                            : s[c][j][e] * scale_log2;
+                        s[c][j][e] = tok < limit[e >> 1] && tok >= first[e >> 1] ? y : -INFINITY;
+                    } else {
+                        s[c][j][e] = tok < limit[e >> 1] ? s[c][j][e] * scale_log2 : -INFINITY;
+                    }
                 }
 
         // Online softmax, rows gid (i = 0) and gid + 8 (i = 1); a row spans the 4 threads of a quad.

@@ -118,30 +118,33 @@ def test_refuses_ort_attention_it_cannot_page_with_the_reason(tmp_path):
     assert "needs enginesmith's attention op" in str(info.value) and "ort_attention" in info.value.fix
 
 
-@pytest.mark.parametrize("attr,value,reason", [
-    ("softcap", 50.0, "softcap=50.0: the paged attention op has no soft-capping"),
-    ("local_window_size", 8, "local_window_size=8: the paged attention op has no sliding window"),
-])
-def test_refuses_enginesmith_attention_with_options_the_paged_op_lacks(dense_graph, attr, value, reason):
+@pytest.mark.parametrize("attr,value", [("softcap", 50.0), ("local_window_size", 8)])
+def test_carries_softcap_and_window_onto_the_paged_op(dense_graph, attr, value):
     """ort_attention carries Gemma's soft-capping and sliding windows onto enginesmith's dense op; the
-    paged op has neither, so paging such a layer would drop them: refused with the reason."""
+    paged op takes the same attributes, layer by layer (numerics: tests/test_paged_families.py)."""
     model = ir.load(dense_graph)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     node.attributes[attr] = ir.AttrFloat32(attr, value) if isinstance(value, float) else ir.AttrInt64(attr, value)
-    with pytest.raises(UserError, match="cannot page attention") as info:
-        paged_gqa(model, PagedGqaParams())
-    assert reason in str(info.value)
+    paged_gqa(model, PagedGqaParams())
+    paged = [n for n in model.graph if n.op_type == "PagedGroupQueryAttention"]
+    assert len(paged) == 2
+    assert paged[0].attributes[attr].value == value and attr not in paged[1].attributes
+    assert paged[0].attributes[attr].type == node.attributes[attr].type
 
 
-def test_refuses_head_size_256(tmp_path):
-    """tiny:gemma2 (head size 256): enginesmith's dense op takes it, the paged kernels do not."""
+def test_takes_head_size_256_with_gemma2s_options(tmp_path):
+    """tiny:gemma2 (head size 256, soft-capped at 50, layer 0 sliding with a window of 8) is paged."""
     from enginesmith.build.engine import BuildConfig, cached_engine
 
     src = cached_engine(BuildConfig(model="tiny:gemma2", dtype="fp16"), progress=False) / "model.onnx"
     dense = tmp_path / "dense" / "model.onnx"
     run_pipeline(src, dense, f"fuse_attention,lower_gqa:capacity={CAPACITY},ort_attention", progress=False)
-    with pytest.raises(UserError, match="head size 256 is not one the paged attention op takes"):
-        paged_gqa(ir.load(dense), PagedGqaParams())
+    model = ir.load(dense)
+    assert paged_gqa(model, PagedGqaParams()).counts == {"paged_gqa": 2}
+    got = [(n.attributes["softcap"].value, n.attributes.get("local_window_size") and n.attributes["local_window_size"].value)
+           for n in model.graph if n.op_type == "PagedGroupQueryAttention"]
+    assert got == [(50.0, 8), (50.0, None)]
+    assert model.graph.inputs[-1].shape[3] == 256  # the pools [num_pages, BS, Hkv, 256]
 
 
 def test_refuses_graphs_that_are_not_lowered_with_the_custom_attention(fp16_engine, dense_graph, tmp_path):

@@ -275,7 +275,7 @@ BAD_SHAPES = [
      "sin_cache must be float16 with cos_cache's shape [16, 32], got float16 [15, 32]"),
     (lambda f: f | {"qkv": f["qkv"][..., :-1].copy()},
      "qkv must be float16 [batch, seq, (num_heads + 2 kv_num_heads) * head_size] with num_heads = 4, kv_num_heads = 2"),
-    (lambda f: _one_row(d=96), "paged attention: head size 96 is not supported (supported: 64, 128)"),
+    (lambda f: _one_row(d=96), "paged attention: head size 96 is not supported (supported: 64, 128, 256)"),
     (lambda f: _one_row(bs=8), "paged attention: block size 8 is not supported (supported: 16, 32, 64)"),
     (lambda f: _one_row(s=17), "paged attention: query length 17 is outside [1, 16]"),
 ]

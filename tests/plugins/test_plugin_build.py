@@ -96,7 +96,7 @@ def test_unsupported_paged_attention_configs_are_rejected(kernels_lib, args, wor
 
 def test_supported_paged_attention_configs_pass(kernels_lib):
     for dtype in (kernels.FLOAT16, kernels.BFLOAT16):
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for bs in (16, 32, 64):
                 kernels_lib.check_paged_attention_config(dtype, d, bs, 32, 8, 16)
 

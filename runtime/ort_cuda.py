@@ -243,12 +243,10 @@ class GqaEngine:
         logits_type = self.session.get_outputs()[0].type
         self.logits_dtype = torch.float16 if "float16" in logits_type else torch.float32
         layers = len(self.past_names) // 2
-        # KV bytes one token takes over all layers (K and V): what a decode step reads per cached token
-        self.kv_bytes_per_token = 2 * layers * self.kv_heads * self.head_dim * (1 if self.dtype in codes.values() else
-                                                                               2 if "float16" in first.type else 4)
         with self._on_stream():
             self.kv = torch.zeros(layers, 2, max_batch, self.kv_heads, self.capacity, self.head_dim,
                                   dtype=self.dtype, device=self.torch_device)
+        self.kv_bytes_per_token = 2 * layers * self.kv_heads * self.head_dim * self.kv.element_size()  # K and V
         self._total = np.zeros((), dtype=np.int32)  # a CPU input of GQA; bound by address
         self._steps: dict[tuple[int, int], _Step] = {}
         self._cache: SharedKVCache | None = None

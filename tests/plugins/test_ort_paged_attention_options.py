@@ -26,47 +26,18 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from onnx import TensorProto as T  # noqa: E402
-from onnx import helper  # noqa: E402
 
 from plugin_modules import reference  # noqa: E402
 from test_ort_attention import _model as _dense_model  # noqa: E402
 from test_ort_ops import _session, gpu  # noqa: E402
-from test_ort_paged_attention import HKV, INPUTS, INT32_INPUTS, OUTPUTS, _case, _written  # noqa: E402
-from test_ort_paged_kv_quant import POOL, _quantize_case  # noqa: E402
-
-
-def _model(h: int, kv: str = "fp16", scale: float | None = None, **options):
-    """One PagedGroupQueryAttention node; `options`: softcap, local_window_size (left out when None)."""
-    pool_type = POOL[kv][1] if kv in POOL else T.FLOAT16
-    names = INPUTS + (["kv_scale"] if kv in POOL else [])
-    attrs = dict(num_heads=h, kv_num_heads=HKV) | ({} if scale is None else dict(scale=scale))
-    attrs |= {k: v for k, v in options.items() if v is not None}
-    node = helper.make_node("PagedGroupQueryAttention", names, OUTPUTS, domain="com.enginesmith", **attrs)
-
-    def type_of(n):
-        return (T.INT32 if n in INT32_INPUTS else pool_type if n in ("key_pool", "value_pool")
-                else T.FLOAT if n == "kv_scale" else T.FLOAT16)
-
-    inputs = [helper.make_tensor_value_info(n, type_of(n), None) for n in names]
-    outputs = [helper.make_tensor_value_info(n, T.FLOAT16 if n == "out" else pool_type, None) for n in OUTPUTS]
-    graph = helper.make_graph([node], "g", inputs, outputs)
-    return helper.make_model(graph, ir_version=10, opset_imports=[
-        helper.make_opsetid("", 21), helper.make_opsetid("com.enginesmith", 1)])
+from test_ort_paged_attention import HKV, INPUTS, _case, _close, _written  # noqa: E402
+from test_ort_paged_kv_quant import _model, _quantize_case  # noqa: E402
 
 
 def _numpy(feeds, h, softcap=0.0, window=-1):
     return reference.paged_group_query_attention(*(feeds[n] for n in INPUTS), num_heads=h, kv_num_heads=HKV,
                                                  kv_scale=feeds.get("kv_scale"), softcap=softcap,
                                                  local_window_size=window)
-
-
-def _close(got, want, real):
-    """Real columns close (fp32 scores either way, summed in another order; tanh of another library)."""
-    g, w = got[real].astype(np.float32), want[real].astype(np.float32)
-    assert np.isfinite(g).all()
-    err = float(np.abs(g - w).max())
-    assert err <= 2e-3 * max(1.0, float(np.abs(w).max())), err
 
 
 def _options(softcap, window):

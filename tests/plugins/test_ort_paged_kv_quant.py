@@ -29,11 +29,14 @@ POOL = {"int8": (np.int8, T.INT8), "fp8": (np.uint8, T.UINT8)}
 CODE_MAX = {"int8": 127.0, "fp8": 448.0}
 
 
-def _model(h: int, kv: str, with_scale: bool = True):
+def _model(h: int, kv: str = "fp16", with_scale: bool | None = None, scale: float | None = None, **options):
+    """One PagedGroupQueryAttention node over `kv` pools; kv_scale an input when `with_scale` (default: for
+    quantized pools); `options`: softcap, local_window_size (left out when None)."""
     pool_type = POOL[kv][1] if kv in POOL else T.FLOAT16
-    names = INPUTS + (["kv_scale"] if with_scale else [])
-    node = helper.make_node("PagedGroupQueryAttention", names, OUTPUTS, domain="com.enginesmith", num_heads=h,
-                            kv_num_heads=HKV)
+    names = INPUTS + (["kv_scale"] if (kv in POOL if with_scale is None else with_scale) else [])
+    attrs = dict(num_heads=h, kv_num_heads=HKV) | ({} if scale is None else dict(scale=scale))
+    attrs |= {k: v for k, v in options.items() if v is not None}
+    node = helper.make_node("PagedGroupQueryAttention", names, OUTPUTS, domain="com.enginesmith", **attrs)
 
     def type_of(n):
         return (T.INT32 if n in INT32_INPUTS else pool_type if n in ("key_pool", "value_pool")

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from enginesmith.serving.conn_guard import ConnectionLimits
 from enginesmith.serving.door_board import DoorBoard
 
 
@@ -40,6 +41,7 @@ class WorkerSpec:
     internal_key: str
     log_level: str
     access_log: bool
+    limits: ConnectionLimits = ConnectionLimits()
 
 
 class DoorWorker:

@@ -47,6 +47,7 @@ from starlette.routing import Route
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
 from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body, send_until_disconnect
+from enginesmith.serving.conn_guard import ConnectionLimits, close_unfinished, install_accept_error_log
 from enginesmith.serving.http_server import AnnouncingServer
 from enginesmith.serving.openai_protocol import ApiError, error_body
 from enginesmith.serving.door_board import REASONS, DoorBoard
@@ -349,6 +350,7 @@ class FrontDoorServer(AnnouncingServer):
     async def _stop(self) -> None:
         door, replicas = self.door, self.replicas
         door.begin_drain()
+        close_unfinished(self.server_state)  # requests still sending their head or body: nothing to wait for
         self.workers.drain()  # they answer 503 to new requests and exit once their relays are done
         replicas.terminate()
         passed_on = self.signals
@@ -380,6 +382,11 @@ class WorkerServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, door: FrontDoor, supervisor: int):
         super().__init__(config)
         self.door, self.supervisor = door, supervisor
+        self._closed_unfinished = False
+
+    async def startup(self, sockets=None) -> None:
+        install_accept_error_log()
+        await super().startup(sockets=sockets)
 
     def handle_exit(self, sig, frame) -> None:
         self.door.begin_drain()
@@ -387,6 +394,9 @@ class WorkerServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if os.getppid() != self.supervisor:
             self.door.begin_drain()
+        if self.door.draining and not self._closed_unfinished:
+            self._closed_unfinished = True
+            close_unfinished(self.server_state)
         if self.door.draining and not self.door.board.in_flight_of(self.door.worker):
             self.should_exit = True
         return await super().on_tick(counter)
@@ -396,13 +406,13 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, index: int, supervisor: in
     """The body of a spawned front-door worker (serving/door_workers.py)."""
     app = make_front_door(spec.urls, spec.board, index, spec.api_key, spec.internal_key)
     config = uvicorn.Config(app, log_level=spec.log_level, access_log=spec.access_log, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **spec.limits.uvicorn_options())
     WorkerServer(config, app.state.door, supervisor).run(sockets=[sock])
 
 
 def serve_front_door(replicas: ReplicaSet, workers: int, api_key: str | None, internal_key: str, host: str,
                      port: int, drain_timeout: float, summary: str, log_level: str = "warning",
-                     access_log: bool = False) -> list[str]:
+                     access_log: bool = False, limits: ConnectionLimits = ConnectionLimits()) -> list[str]:
     """Listen on host:port with `workers` front-door processes (this one and workers - 1 spawned ones, one
     listening socket) over the ready `replicas`; run until a signal or a death, and until the replicas and
     workers have stopped. Returns what made the exit status 1 (empty: 0). SystemExit when the address
@@ -411,9 +421,10 @@ def serve_front_door(replicas: ReplicaSet, workers: int, api_key: str | None, in
     board = DoorBoard(workers, len(urls))
     app = make_front_door(urls, board, 0, api_key, internal_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **limits.uvicorn_options())
     sock = config.bind_socket()
-    spawned = DoorWorkers.start(run_worker, WorkerSpec(urls, board, api_key, internal_key, log_level, access_log), sock, workers)
+    spec = WorkerSpec(urls, board, api_key, internal_key, log_level, access_log, limits)
+    spawned = DoorWorkers.start(run_worker, spec, sock, workers)
     try:
         server = FrontDoorServer(config, app.state.door, replicas, spawned, drain_timeout, summary)
         server.run(sockets=[sock])

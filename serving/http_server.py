@@ -8,6 +8,9 @@
 The server keeps listening while it drains, so late clients get a clear 503 rather than a refused
 connection. No signal is re-raised afterwards (uvicorn's default), so a drained server exits 0.
 Once it listens, one line goes to stdout: "enginesmith serve: http://HOST:PORT (...)".
+Connections are bounded (serving/conn_guard.py): timeouts on a request's head, its body and keep-alive
+idle, a cap on open connections (503 beyond it), and failed accepts logged one line at a time. A drain
+first closes the connections whose request has not been read yet (a half-sent body ends as a disconnect).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 
 import uvicorn
 
+from enginesmith.serving.conn_guard import ConnectionLimits, close_unfinished, install_accept_error_log
+
 
 class AnnouncingServer(uvicorn.Server):
     """uvicorn that prints enginesmith serve's one ready line once it listens (call announce() from on_tick)."""
@@ -25,6 +30,10 @@ class AnnouncingServer(uvicorn.Server):
         super().__init__(config)
         self.summary = summary
         self._announced = False
+
+    async def startup(self, sockets=None) -> None:
+        install_accept_error_log()  # before the listening socket exists: no traceback per failed accept
+        await super().startup(sockets=sockets)
 
     def announce(self) -> None:
         if self.started and not self._announced:
@@ -56,6 +65,7 @@ class DrainingServer(AnnouncingServer):
     async def _drain(self) -> None:
         loop = self.batcher_loop
         loop.drain(timeout=0)  # takes no more requests; returns at once
+        close_unfinished(self.server_state)  # requests still sending their head or body: nothing to wait for
         deadline = time.monotonic() + self.drain_timeout
         while loop.in_flight and time.monotonic() < deadline and self.signals < 2:
             await asyncio.sleep(0.05)
@@ -66,12 +76,12 @@ class DrainingServer(AnnouncingServer):
 
 
 def serve(app, api, loop, host: str, port: int, drain_timeout: float, summary: str, log_level: str = "warning",
-          access_log: bool = False) -> str | None:
+          access_log: bool = False, limits: ConnectionLimits = ConnectionLimits()) -> str | None:
     """Run `app` until a signal and its drain; None if every request in flight finished, else what cut
     them off ("a second signal", "the drain timeout (30 s)"). SystemExit when uvicorn cannot start
     (it logs why)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **limits.uvicorn_options())
     server = DrainingServer(config, api, loop, drain_timeout, summary)
     server.run()
     return server.cut_off

@@ -12,7 +12,8 @@ A client that goes away (the ASGI http.disconnect, or a failed send), mid-stream
 answer is being made, cancels its request: its KV pages go back at the loop's next step.
 
 Refusals are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`, never a traceback:
-400 a bad field (openai_protocol), a prompt too long for the engine; 401 a missing or wrong key
+400 a bad field (openai_protocol), a prompt too long for the engine or over max_prompt_bytes (counted
+before any tokenizer work, so a huge prompt costs next to nothing); 401 a missing or wrong key
 (`Authorization: Bearer`, compared in constant time; /health and /metrics are open); 404 an unknown
 model or route; 405; 413 a body over max_body_bytes; 429 too many requests waiting (Retry-After);
 503 draining (Retry-After); 500 an engine failure or a bug of ours (the message only).
@@ -55,6 +56,8 @@ log = logging.getLogger("enginesmith.serve")
 MAX_BODY_BYTES = 4 << 20          # a request body (JSON); prompts are bounded by the engine's context anyway
 COMPLETION_MAX_TOKENS = 16        # /v1/completions without max_tokens (OpenAI's default)
 DRAIN_RETRY_AFTER_S = 5
+PROMPT_BYTES_PER_TOKEN = 16       # the default byte bound of a prompt: this many bytes per position of the engine
+MIN_PROMPT_BYTES = 32 << 10       # ... and at least this many
 
 
 class GenerationFailed(Exception):
@@ -201,13 +204,14 @@ class OpenAIServer:
 
     def __init__(self, loaded, loop: BatcherLoop, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, completion_max_tokens: int = COMPLETION_MAX_TOKENS,
-                 metrics_interval_s: float = 1.0):
+                 metrics_interval_s: float = 1.0, max_prompt_bytes: int | None = None):
         self.loaded, self.loop, self.model_name = loaded, loop, model_name
         self.tokenizer = loaded.tokenizer
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.completion_max_tokens = completion_max_tokens
         self.metrics_interval_s = metrics_interval_s
+        self.max_prompt_bytes = max_prompt_bytes or default_prompt_bytes(self._positions())
         self.stop_ids = stop_token_ids(loaded.tokenizer, loaded.manifest)
         self.vocab = loaded.manifest.model.vocab or len(loaded.tokenizer)
         self.metrics = ServerMetrics(loop)
@@ -268,6 +272,7 @@ class OpenAIServer:
             self._check_model(req.model)
             if self.draining:
                 raise Draining()
+            self._check_prompt_bytes(req)  # before any tokenizer work: a huge prompt is refused for free
             ids = await run_in_threadpool(self._encode, req)
             stop_ids = () if req.ignore_eos else self.stop_ids
             if self.relay is None:  # made on the event loop's thread, which it wakes
@@ -339,6 +344,23 @@ class OpenAIServer:
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.max_body_bytes)
 
+    def _check_prompt_bytes(self, req: GenerationRequest) -> None:
+        limit = self.max_prompt_bytes
+        if req.messages is not None:
+            size, param = prompt_bytes(req.messages, limit), "messages"
+        elif isinstance(req.prompt, str):
+            size, param = prompt_bytes(req.prompt, limit), "prompt"
+        else:
+            return  # token ids: their count is checked against the engine's positions
+        if size > limit:
+            raise ApiError(400, f"the prompt is over {limit} bytes of text, the most this server takes "
+                                "(serve --max-prompt-bytes); shorten it", param, "context_length_exceeded")
+
+    def _positions(self) -> int:
+        """Positions a request may reach: the engine's, else what the page pool holds."""
+        model = self.loop.batcher.model
+        return model.max_positions or self.loaded.max_positions or (model.num_pages - 1) * model.page_size
+
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Token ids of the prompt (a worker thread: a chat template or a long text takes a while).
         Special-token spellings in client text stay text (runtime.chat)."""
@@ -368,6 +390,27 @@ class OpenAIServer:
                 "max_model_len": model.max_positions or self.loaded.max_positions}
 
 
+def default_prompt_bytes(positions: int) -> int:
+    """The default byte bound of a prompt for an engine of `positions` positions."""
+    return max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * positions)
+
+
+def prompt_bytes(value, limit: int) -> int:
+    """UTF-8 bytes of the text in `value` (a string, or messages: lists and dicts of strings), counted
+    only until it passes `limit` (then some number above it): the cost is bounded by the limit."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            # a character is 1-4 bytes: a string over the limit in characters is over it in bytes
+            total += len(item) if len(item) > limit else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %s: %s", request.method, request.url.path[:200], type(exc).__name__, exc)
     return JSONResponse(error_body("internal server error (the server's log has the details)", "server_error"), 500)
@@ -375,7 +418,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def make_app(loaded, loop: BatcherLoop, model_name: str, api_key: str | None = None, **options) -> Starlette:
     """The ASGI app serving `loaded` (a LoadedEngine) through `loop` under `model_name`; `options` are
-    OpenAIServer's (max_body_bytes, completion_max_tokens, metrics_interval_s). The OpenAIServer is
+    OpenAIServer's (max_body_bytes, completion_max_tokens, metrics_interval_s, max_prompt_bytes). The OpenAIServer is
     app.state.api (its begin_drain() is what a shutdown calls first)."""
     api = OpenAIServer(loaded, loop, model_name, api_key, **options)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),

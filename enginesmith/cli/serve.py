@@ -39,6 +39,10 @@ API_KEY_ENV = "ENGINESMITH_API_KEY"
 CPU_MAX_BATCH = 16   # rows per step on the CPU (a --for-cuda engine: its --max-batch)
 CHUNK = 64           # prompt tokens per row per step (capped by what the engine's attention takes)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+MAX_TIMEOUT_S = 86400.0
+MAX_CONNECTIONS = 1 << 20
+MAX_BODY_BYTES = 4 << 20  # serving.openai_api.MAX_BODY_BYTES (not imported: it needs starlette; --help works without)
+SPARE_FILES = 128         # open files a server process needs besides its connections (engine, logs, pipes)
 
 
 def add_parser(verbs) -> None:
@@ -65,6 +69,23 @@ def add_parser(verbs) -> None:
                    help="requests queued beyond the running batch; more get 429 with Retry-After (default 256)")
     g.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/Ctrl-C, seconds the requests in flight may take to finish (default 30)")
+    h = p.add_argument_group("limits (idle and slow clients cannot lock the server out)")
+    h.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a client may take to send a request's head, from its connection or its first byte "
+                        "(nginx's client_header_timeout; default 10); then the connection is closed")
+    h.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client may take to send a request's whole body, e.g. a chunked body that never "
+                        "ends or one shorter than its Content-Length (default 30)")
+    h.add_argument("--keepalive-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    h.add_argument("--max-connections", type=int, default=1000, metavar="N",
+                   help="open connections per server process (default 1000); beyond it the oldest connection with "
+                        "no request in progress is closed, or, if all have one, the newcomer gets 503 with "
+                        "Retry-After (uvicorn's --limit-concurrency)")
+    h.add_argument("--max-prompt-bytes", type=int, default=None, metavar="B",
+                   help="bytes of prompt text (all chat messages together) a request may send, checked before "
+                        "tokenization (default: 16 per position of the engine, at least 32 KiB); the body itself "
+                        "is at most 4 MiB")
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="uvicorn's log level (default warning)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     r = p.add_argument_group("replicas (one engine process each, behind this one front door)")
@@ -98,6 +119,16 @@ def _check_flags(args) -> None:
                              ("--chunk", args.chunk, 1), ("--max-waiting", args.max_waiting, 1)):
         if value is not None and value < low:
             raise UserError(f"{flag} {value} is too small", f"give {flag} >= {low}")
+    for flag in ("--header-timeout", "--body-timeout", "--keepalive-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not 0 < value <= MAX_TIMEOUT_S:
+            raise UserError(f"{flag} {value} is out of range", f"give {flag} in (0, {MAX_TIMEOUT_S:g}] seconds")
+    if not 1 <= args.max_connections <= MAX_CONNECTIONS:
+        raise UserError(f"--max-connections {args.max_connections} is out of range",
+                        f"give --max-connections in [1, {MAX_CONNECTIONS}]")
+    if args.max_prompt_bytes is not None and not 1 <= args.max_prompt_bytes <= MAX_BODY_BYTES:
+        raise UserError(f"--max-prompt-bytes {args.max_prompt_bytes} is out of range",
+                        f"give --max-prompt-bytes in [1, {MAX_BODY_BYTES}] (a request body is at most that)")
     if not args.drain_timeout >= 0:
         raise UserError(f"--drain-timeout {args.drain_timeout} is negative", "give --drain-timeout >= 0 seconds")
     if args.replicas < 1:
@@ -116,6 +147,25 @@ def _check_flags(args) -> None:
     if missing:
         raise UserError(f"enginesmith serve needs {' and '.join(missing)}, which this Python does not have",
                         "pip install 'enginesmith[serve]' (or: pip install starlette uvicorn)")
+
+
+def _connection_limits(args, files_per_connection: int = 1):
+    """The ConnectionLimits of the flags, with the open-files limit raised (to its hard limit at most) to hold
+    --max-connections; a UserError when it cannot be."""
+    import resource  # deferred: POSIX only, and only to size the open-files limit
+
+    from enginesmith.serving.conn_guard import ConnectionLimits  # deferred: imports uvicorn (optional)
+
+    need = args.max_connections * files_per_connection + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise UserError(f"--max-connections {args.max_connections} needs about {need} open files; this process "
+                            f"may open at most {hard} (ulimit -Hn)",
+                            f"give --max-connections {max(1, (hard - SPARE_FILES) // files_per_connection)} or less, "
+                            "or raise the limit (ulimit -n)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.keepalive_timeout, args.max_connections)
 
 
 def _check_devices(args, device: str) -> list[int] | None:
@@ -194,10 +244,11 @@ def _serve(args, loaded, loop, name: str, api_key: str | None, summary: str) -> 
     from enginesmith.serving.http_server import serve  # deferred: imports uvicorn (optional)
     from enginesmith.serving.openai_api import make_app  # deferred: imports starlette (optional)
 
-    app = make_app(loaded, loop, name, api_key)
+    app = make_app(loaded, loop, name, api_key, max_prompt_bytes=args.max_prompt_bytes)
+    limits = _connection_limits(args)
     try:
         cut_off = serve(app, app.state.api, loop, args.host, args.port, args.drain_timeout, summary,
-                        log_level=args.log_level, access_log=args.access_log)
+                        log_level=args.log_level, access_log=args.access_log, limits=limits)
     except SystemExit:  # uvicorn's start-up failure (it logged why, e.g. the address is in use)
         raise UserError(f"cannot serve on {args.host}:{args.port} (see the message above)",
                         "choose another --port or --host, or stop what uses it") from None
@@ -218,7 +269,11 @@ def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildC
     engine = Path(args.engine).resolve() if args.engine else cached_engine(config)
     internal_key = secrets.token_urlsafe(32)  # only the front door reaches the replicas; never on a command line
     base = {**os.environ, API_KEY_ENV: internal_key, FRONT_DOOR_PID_ENV: str(os.getpid())}
-    argv = _replica_argv(args, engine, device)
+    # each front-door worker holds a client's connection and one to a replica per request
+    limits = _connection_limits(args, files_per_connection=2)
+    count = len(devices) if devices is not None else args.replicas
+    workers = args.door_workers or max(1, min(2 * count, os.cpu_count() or 1))
+    argv = _replica_argv(args, engine, device, replica_connections=workers * args.max_connections + 64)
     if devices is not None:
         specs = [ReplicaSpec(f"GPU {d}", argv, {**base, "CUDA_VISIBLE_DEVICES": visible})
                  for d, visible in zip(devices, cuda_visible(devices))]
@@ -229,13 +284,12 @@ def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildC
         for r in replicas:
             print(f"enginesmith serve: replica {r.index} ({r.label}, pid {r.pid}) at {r.url}", file=sys.stderr,
                   flush=True)
-        workers = args.door_workers or max(1, min(2 * len(replicas), os.cpu_count() or 1))
         summary = (f"{len(replicas)} engine replicas ({', '.join(r.label for r in replicas)}) behind one front door "
                    f"of {workers} process{'es' if workers > 1 else ''}{', API key required' if api_key else ''}")
         try:
             failed = serve_front_door(replicas, workers, api_key, internal_key, args.host, args.port,
                                       args.drain_timeout, summary, log_level=args.log_level,
-                                      access_log=args.access_log)
+                                      access_log=args.access_log, limits=limits)
         except SystemExit:  # uvicorn's start-up failure (it logged why, e.g. the address is in use)
             raise UserError(f"cannot serve on {args.host}:{args.port} (see the message above)",
                             "choose another --port or --host, or stop what uses it") from None
@@ -244,14 +298,17 @@ def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildC
     return 1 if failed else 0
 
 
-def _replica_argv(args, engine: Path, device: str) -> list[str]:
-    """The child's `enginesmith serve` command line: this one's engine and scheduler flags, on 127.0.0.1:0."""
+def _replica_argv(args, engine: Path, device: str, replica_connections: int) -> list[str]:
+    """The child's `enginesmith serve` command line: this one's engine, scheduler and prompt flags, on
+    127.0.0.1:0, with room for every connection the front door's workers may open to it."""
     argv = [sys.executable, "-m", "enginesmith.cli", "serve", "--engine", str(engine), "--device", device,
             "--host", "127.0.0.1", "--port", "0", "--max-waiting", str(args.max_waiting),
+            "--max-connections", str(min(replica_connections, MAX_CONNECTIONS)),
             "--drain-timeout", repr(args.drain_timeout), "--log-level", args.log_level,
             "--gpu-memory-utilization", repr(args.gpu_memory_utilization)]
     for flag, value in (("--threads", args.threads), ("--model-name", args.model_name),
-                        ("--max-batch", args.max_batch), ("--num-pages", args.num_pages), ("--chunk", args.chunk)):
+                        ("--max-batch", args.max_batch), ("--num-pages", args.num_pages), ("--chunk", args.chunk),
+                        ("--max-prompt-bytes", args.max_prompt_bytes)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--access-log"] if args.access_log else [])

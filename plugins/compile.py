@@ -1,12 +1,17 @@
-"""Compile enginesmith's CUDA libraries on first use, into a per-machine cache.
+"""Find enginesmith's CUDA libraries, or compile them on first use into a per-machine cache.
 
-The package ships plugins/' C++/CUDA sources and CMakeLists.txt as package data, so a wheel install
+The package ships plugins/' C++/CUDA sources and CMakeLists.txt as package data, so a source install
 can build the libraries where they run: CMake and Ninja (the PyPI packages that `enginesmith[cuda]`
-installs, else those on PATH) drive nvcc. A build goes to cache_dir()/kernels/<key>/, where the key
-names the sources' sha256, the GPU arch(s) and the ONNX Runtime version, so a changed source, another
-GPU or another ONNX Runtime gets its own entry and an entry never goes stale. Compiling happens in a
-temp folder renamed into place when done, under a lock file, so two processes never compile the same
-key twice and nobody sees half an entry.
+installs, else those on PATH) drive nvcc. A binary wheel (setup.py, plugins/prebuilt.py) also carries
+them compiled for the common archs in plugins/prebuilt/, so most users compile nothing.
+
+A build goes to cache_dir()/kernels/<key>/, where the key names the sources' sha256, the GPU arch(s)
+and the ONNX Runtime version, so a changed source, another GPU or another ONNX Runtime gets its own
+entry and an entry never goes stale. An entry grows one library at a time: `ensure("ort_ops")`
+compiles only the CMake target enginesmith_ort_ops, a later `ensure("kernels")` only
+enginesmith_kernels, in the key's build folder (the second reuses the objects both link), under one
+lock file per key. Each library is renamed into the entry when done and recorded in its meta.json, so
+two processes never compile the same library twice and nobody sees half a library.
 
 Libraries (CMake targets of CMakeLists.txt):
     ort_ops      libenginesmith_ort_ops.so       ONNX Runtime custom ops (compiled on first use)
@@ -18,7 +23,9 @@ Where a library is looked for, first hit wins (the older variables keep working 
     1. its own variable, a file: $ENGINESMITH_ORT_OPS_LIB, $ENGINESMITH_KERNELS_LIB
     2. $ENGINESMITH_PLUGINS_BUILD, a CMake build folder (made by hand or by `enginesmith plugins build`)
     3. plugins/build/ of a source checkout, if it holds the library (plugins/README.md's cmake commands)
-    4. the cache entry for this machine's GPU (compiled there on first use)
+    4. plugins/prebuilt/ of a binary wheel, if compiled from these sources for an arch that runs on
+       this machine's GPU (on a machine without a GPU: when any compiled library will do)
+    5. the cache entry for this machine's GPU (compiled there on first use)
 """
 
 from __future__ import annotations
@@ -26,31 +33,35 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import inspect as inspect_onnxruntime
 from enginesmith.core.paths import cache_dir, writing_to
+# What the machine has (re-exported: doctor, the CLI and the tests ask this module).
+from enginesmith.plugins.toolchain import (Gpu, arch_covers, detect_gpu, find_cmake, find_ninja,  # noqa: F401
+                                           find_nvcc, find_tensorrt_headers, tool_version)
 
 PLUGINS_DIR = Path(__file__).resolve().parent
 CHECKOUT_BUILD_DIR = PLUGINS_DIR / "build"
+PREBUILT_DIR = PLUGINS_DIR / "prebuilt"  # a binary wheel's compiled libraries and their meta.json
 LIBRARIES = {
     "ort_ops": "libenginesmith_ort_ops.so",
     "kernels": "libenginesmith_kernels.so",
     "trt_plugins": "libenginesmith_trt_plugins.so",
 }
+TARGETS = {"ort_ops": "enginesmith_ort_ops", "kernels": "enginesmith_kernels",
+           "trt_plugins": "enginesmith_trt_plugins"}  # the CMake target of each library
 DESCRIPTIONS = {"ort_ops": "ONNX Runtime ops library", "kernels": "kernels library",
                 "trt_plugins": "TensorRT plugin library"}
 LIBRARY_ENV = {"ort_ops": "ENGINESMITH_ORT_OPS_LIB", "kernels": "ENGINESMITH_KERNELS_LIB"}
@@ -72,7 +83,7 @@ def source_files(root: Path = PLUGINS_DIR) -> list[Path]:
     """The files CMakeLists.txt builds from, sorted; build folders and caches left out."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "build" and not d.startswith((".", "__")))
+        dirnames[:] = sorted(d for d in dirnames if d not in ("build", "prebuilt") and not d.startswith((".", "__")))
         for name in filenames:
             if name in SOURCE_NAMES or name.endswith(SOURCE_SUFFIXES):
                 files.append(Path(dirpath) / name)
@@ -89,45 +100,13 @@ def sources_sha256(root: Path = PLUGINS_DIR) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    arch: str            # "90" for compute capability 9.0
-    driver: str | None   # driver version (nvidia-smi)
-    source: str          # how it was found: "nvidia-smi" or "torch"
-
-
-@lru_cache(maxsize=None)
-def detect_gpu() -> Gpu | None:
-    """The first visible NVIDIA GPU: nvidia-smi, else torch (when it is installed); None without one."""
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30)
-            line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3 and re.fullmatch(r"\d+\.\d+", parts[1]):
-                return Gpu(parts[0], parts[1].replace(".", ""), parts[2], "nvidia-smi")
-        except (OSError, subprocess.SubprocessError):
-            pass
-    try:  # deferred on purpose: torch is optional here and slow to import
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            return Gpu(torch.cuda.get_device_name(0), f"{major}{minor}", None, "torch")
-    except Exception:  # a broken CUDA setup is reported as "no GPU" here; doctor says more
-        pass
-    return None
-
-
 def parse_archs(text: str) -> tuple[str, ...]:
-    """"90", "sm_90", "80,90", "90a" -> ("90",), ("80", "90"), ("90a",); a UserError for anything else."""
+    """"90", "sm_90", "80,90", "90a", "80-real;90" -> ("90",), ("80", "90"), ("90a",), ("80-real", "90")
+    (CMake's spelling: -real is SASS only, -virtual PTX only); a UserError for anything else."""
     items = [a.strip().lower().removeprefix("sm_").removeprefix("sm") for a in text.replace(";", ",").split(",")]
     archs: list[str] = []
     for item in items:
-        m = re.fullmatch(r"(\d{2,3})(a?)", item)
+        m = re.fullmatch(r"(\d{2,3})(a?)(-real|-virtual)?", item)
         if not m:
             raise UserError(f"--arch {text!r} is not a CUDA compute capability", ARCH_FIX)
         if int(m.group(1)) < MIN_ARCH:
@@ -162,7 +141,8 @@ def kernels_cache() -> Path:
 @dataclass(frozen=True)
 class Located:
     path: Path
-    origin: str  # "env" (its own variable), "build-dir" ($ENGINESMITH_PLUGINS_BUILD), "checkout", "cache"
+    # "env" (its own variable), "build-dir" ($ENGINESMITH_PLUGINS_BUILD), "checkout", "wheel", "cache"
+    origin: str
 
     @property
     def built(self) -> bool:
@@ -186,9 +166,9 @@ def _cache_entries(archs: tuple[str, ...] | None) -> list[Path]:
 
 def locate(name: str, any_arch: bool = False) -> Located | None:
     """Where library `name` ("ort_ops", "kernels", "trt_plugins") is or would be, by the order in the
-    module docstring. A variable that is set wins even when its file is missing. The cache entry is
-    the one for this machine's GPU; without a GPU, `any_arch` takes any compiled entry for these
-    sources (the ops' CPU kernels run anywhere), else there is none (None)."""
+    module docstring. A variable that is set wins even when its file is missing. The wheel's library
+    and the cache entry count when compiled for this machine's GPU; without a GPU, `any_arch` takes
+    any compiled one for these sources (the ops' CPU kernels run anywhere), else there is none (None)."""
     lib = LIBRARIES[name]
     env = LIBRARY_ENV.get(name)
     if env and os.environ.get(env):
@@ -198,6 +178,9 @@ def locate(name: str, any_arch: bool = False) -> Located | None:
     if (CHECKOUT_BUILD_DIR / lib).is_file():
         return Located(CHECKOUT_BUILD_DIR / lib, "checkout")
     gpu = detect_gpu()
+    shipped = wheel_library(name)
+    if shipped is not None and (arch_covers(shipped_archs(), gpu.arch) if gpu else any_arch):
+        return Located(shipped, "wheel")
     entries = _cache_entries((gpu.arch,)) if gpu else _cache_entries(None) if any_arch else []
     for entry in entries:
         if (entry / lib).is_file():
@@ -227,72 +210,32 @@ def ensure(name: str, progress: bool = True) -> Path:
         raise UserError(f"{what} is not built ({lib}) and no NVIDIA GPU was found to compile it for",
                         "run `enginesmith plugins build --arch 90` (the compute capability of the GPU it is for, "
                         "without the dot: 90 for H100/H200, 80 for A100), or set " + LIBRARY_ENV.get(name, BUILD_ENV))
-    entry = build_cached((gpu.arch,), progress=progress)
+    entry = build_cached((gpu.arch,), names=(name,), progress=progress)
     return entry / lib
 
 
-# ----------------------------------------------------------------------------- tools
-
-def _pip_tool(module: str, bin_dir: str, name: str) -> str | None:
-    """`name` from the bin dir of the PyPI package `module` (enginesmith[cuda]), else from PATH."""
-    try:
-        tool = Path(getattr(importlib.import_module(module), bin_dir)) / name  # an optional package
-        if tool.is_file():
-            return str(tool)
-    except (ImportError, AttributeError):
-        pass
-    return shutil.which(name)
-
-
-def find_cmake() -> str | None:
-    """cmake of the PyPI package `cmake`, else cmake on PATH."""
-    return _pip_tool("cmake", "CMAKE_BIN_DIR", "cmake")
-
-
-def find_ninja() -> str | None:
-    """ninja of the PyPI package `ninja`, else ninja on PATH (without it CMake falls back to make)."""
-    return _pip_tool("ninja", "BIN_DIR", "ninja")
-
-
-def find_nvcc() -> str | None:
-    """$CUDACXX, nvcc on PATH, $CUDA_HOME/bin/nvcc or /usr/local/cuda/bin/nvcc."""
-    env = os.environ.get("CUDACXX")
-    if env and Path(env).is_file():
-        return env
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").is_file():
-            return str(Path(home) / "bin" / "nvcc")
-    return None
-
-
-def find_tensorrt_headers(root: str | None = None) -> Path | None:
-    """The folder holding NvInferRuntime.h: `root` or $TENSORRT_ROOT (its include/), else the system's."""
-    root = root or os.environ.get("TENSORRT_ROOT")
-    places = [Path(root) / "include", Path(root)] if root else [Path("/usr/include/x86_64-linux-gnu"),
-                                                                 Path("/usr/include"), Path("/usr/local/include")]
-    return next((p for p in places if (p / "NvInferRuntime.h").is_file()), None)
-
-
-def tool_version(path: str | None, flag: str = "--version") -> str | None:
-    """The first version-looking number a tool prints (nvcc: its release), or None."""
-    if not path:
+def wheel_library(name: str) -> Path | None:
+    """Library `name` in plugins/prebuilt/ if a binary wheel put it there and compiled it from these
+    sources (whatever the arch: locate() checks that), else None."""
+    path = PREBUILT_DIR / LIBRARIES[name]
+    meta = entry_meta(path)
+    if meta is None or not path.is_file() or meta.get("sources_sha256") != sources_sha256():
         return None
-    try:
-        out = subprocess.run([path, flag], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"release (\d+\.\d+)", out) or re.search(r"(\d+\.\d+(?:\.\d+)?)", out)
-    return m.group(1) if m else None
+    return path if LIBRARIES[name] in meta.get("libraries", ()) else None
+
+
+def shipped_archs() -> list[str]:
+    """The archs plugins/prebuilt/'s libraries were compiled for (CMake's spelling), [] without them."""
+    meta = entry_meta(PREBUILT_DIR / "meta.json")
+    return [str(a) for a in meta.get("archs", [])] if meta else []
 
 
 # ----------------------------------------------------------------------------- compiling
 
 def cmake_commands(build_dir: Path, archs: str, trt: bool, tensorrt_root: str | None = None,
-                   jobs: int | None = None) -> list[list[str]]:
-    """The configure and build commands for plugins/ into `build_dir` (archs: CMake's list, "80;90")."""
+                   jobs: int | None = None, targets: Iterable[str] = ()) -> list[list[str]]:
+    """The configure and build commands for plugins/ into `build_dir` (archs: CMake's list, "80;90");
+    the build makes only `targets` (CMake target names) if given, else everything."""
     cmake = find_cmake()
     if cmake is None:
         raise CompileError("cmake is not installed", 'pip install "enginesmith[cuda]" (or pip install cmake ninja)')
@@ -308,7 +251,9 @@ def cmake_commands(build_dir: Path, archs: str, trt: bool, tensorrt_root: str | 
         configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
     if tensorrt_root:
         configure.append(f"-DTENSORRT_ROOT={tensorrt_root}")
-    return [configure, [cmake, "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 2)]]
+    build = [cmake, "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 2)]
+    targets = list(targets)
+    return [configure, build + (["--target", *targets] if targets else [])]
 
 
 def _first_error(log: str) -> str:
@@ -321,9 +266,9 @@ def _first_error(log: str) -> str:
 
 
 def run_cmake(build_dir: Path, archs: tuple[str, ...], trt: bool = False, tensorrt_root: str | None = None,
-              jobs: int | None = None, log_path: Path | None = None) -> str:
-    """Configure and build plugins/ into `build_dir`; returns the combined log. A CompileError (one
-    line, naming the log file) when a tool is missing or a step fails."""
+              jobs: int | None = None, log_path: Path | None = None, targets: Iterable[str] = ()) -> str:
+    """Configure and build plugins/ into `build_dir` (only `targets` if given); returns the combined
+    log. A CompileError (one line, naming the log file) when a tool is missing or a step fails."""
     if find_nvcc() is None:
         raise CompileError("nvcc (the CUDA compiler) is not found",
                            "install the CUDA toolkit (12.8 or newer) and put nvcc on PATH, or set CUDACXX")
@@ -331,7 +276,7 @@ def run_cmake(build_dir: Path, archs: tuple[str, ...], trt: bool = False, tensor
         raise CompileError("the TensorRT headers (NvInferRuntime.h) are not found",
                            "set TENSORRT_ROOT to a TensorRT install whose include/ holds them, or drop --trt")
     log = ""
-    for cmd in cmake_commands(build_dir, ";".join(archs), trt, tensorrt_root, jobs):
+    for cmd in cmake_commands(build_dir, ";".join(archs), trt, tensorrt_root, jobs, targets):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         log += f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n"
         if log_path is not None:
@@ -360,49 +305,86 @@ def _locked(path: Path, what: str, progress: bool) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def library_names(trt: bool = False) -> tuple[str, ...]:
+    """What `enginesmith plugins build` makes: the ops and kernels libraries, with `trt` the TensorRT plugins."""
+    return ("ort_ops", "kernels") + (("trt_plugins",) if trt else ())
+
+
+def holds(entry: Path, names: Iterable[str]) -> bool:
+    """Whether cache entry `entry` holds every library of `names`, each moved in and recorded in meta.json."""
+    meta = entry_meta(entry / "meta.json")
+    recorded = meta.get("libraries", ()) if meta else ()
+    return meta is not None and all(LIBRARIES[n] in recorded and (entry / LIBRARIES[n]).is_file() for n in names)
+
+
 def build_cached(archs: tuple[str, ...], trt: bool = False, tensorrt_root: str | None = None,
-                 jobs: int | None = None, force: bool = False, progress: bool = True) -> Path:
-    """The cache entry for (sources, archs, ONNX Runtime[, TensorRT]), compiled first unless it is
-    there (or with `force`, compiled again). Atomic: a temp folder renamed into place, under a lock."""
+                 jobs: int | None = None, force: bool = False, progress: bool = True,
+                 names: Iterable[str] | None = None) -> Path:
+    """The cache entry for (sources, archs, ONNX Runtime[, TensorRT]) holding libraries `names`
+    (default: library_names(trt)); those it lacks are compiled first, only their CMake targets (with
+    `force`, all of `names` again). One lock per key: who waits finds what the other compiled."""
+    names = tuple(names or library_names(trt))
     root = kernels_cache()
     key = cache_key(archs, trt)
     final = root / key
-    if (final / "meta.json").is_file() and not force:
+    if holds(final, names) and not force:
         return final
     with writing_to(root, "the compiled CUDA libraries", gb=1):
         root.mkdir(parents=True, exist_ok=True)
         with _locked(root / f".{key}.lock", f"the CUDA libraries for sm_{'/'.join(archs)}", progress):
-            if (final / "meta.json").is_file() and not force:
-                return final  # another process compiled it while this one waited
-            work = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
-            try:
-                log_path = root / f"{key}.log"
-                started = time.time()
-                if progress:
-                    print(f"enginesmith: compiling the CUDA libraries for sm_{'/'.join(archs)} once "
-                          f"(one to a few minutes); cached in {final}", file=sys.stderr, flush=True)
-                log = run_cmake(work / "build", archs, trt, tensorrt_root, jobs, log_path)
-                out = work / "out"
-                out.mkdir()
-                built = [lib for lib in LIBRARIES.values() if (work / "build" / lib).is_file()]
-                for lib in built:
-                    shutil.copy2(work / "build" / lib, out / lib)
-                seconds = round(time.time() - started, 1)
-                meta = {"sources_sha256": sources_sha256(), "archs": list(archs), "trt": trt,
-                        "onnxruntime": onnxruntime_version(), "libraries": built, "seconds": seconds,
-                        "cmake": tool_version(find_cmake()), "nvcc": tool_version(find_nvcc()),
-                        "cusparselt": "cuSPARSELt=ON" in log,
-                        "compiled": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-                if final.exists():  # --force: move the old entry aside (a process may have it loaded)
-                    os.rename(final, work / "old")
-                os.rename(out, final)
-                log_path.unlink(missing_ok=True)
-                if progress:
-                    print(f"enginesmith: compiled in {seconds:.0f} s", file=sys.stderr, flush=True)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            todo = [n for n in names if force or not holds(final, (n,))]
+            if todo:  # else another process compiled them while this one waited
+                _grow_entry(final, archs, todo, trt, tensorrt_root, jobs, progress)
     return final
+
+
+def _grow_entry(final: Path, archs: tuple[str, ...], names: list[str], trt: bool, tensorrt_root: str | None,
+                jobs: int | None, progress: bool) -> None:
+    """Compile the CMake targets of `names` in the key's build folder (kept until the entry holds every
+    library: the next target reuses the objects they share), then rename each library into `final`
+    and record it in meta.json (written aside, renamed). The caller holds the key's lock."""
+    root, key = final.parent, final.name
+    build, log_path = root / f".{key}.build", root / f"{key}.log"
+    targets, sm = [TARGETS[n] for n in names], "sm_" + "/".join(archs)
+    if progress:
+        print(f"enginesmith: compiling the {' and '.join(DESCRIPTIONS[n] for n in names)} ({', '.join(targets)}) "
+              f"for {sm} once; cached in {final}", file=sys.stderr, flush=True)
+    started = time.time()
+    try:
+        log = run_cmake(build, archs, trt, tensorrt_root, jobs, log_path, targets)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)  # a failed configure must not stick (a cached wrong compiler)
+        raise
+    seconds = round(time.time() - started, 1)
+    meta = entry_meta(final / "meta.json") or {}
+    recorded = meta.get("libraries", {})
+    libraries = recorded if isinstance(recorded, dict) else {lib: {} for lib in recorded}  # older entries: a list
+    meta.update(sources_sha256=sources_sha256(), archs=list(archs), trt=trt, onnxruntime=onnxruntime_version(),
+                cmake=tool_version(find_cmake()), nvcc=tool_version(find_nvcc()), cusparselt="cuSPARSELt=ON" in log)
+    final.mkdir(exist_ok=True)
+    for name in names:
+        lib = LIBRARIES[name]
+        _replace(final / lib, lambda tmp, lib=lib: shutil.copy2(build / lib, tmp))
+        libraries[lib] = {"target": TARGETS[name], "seconds": seconds,
+                          "compiled": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta["libraries"] = libraries
+    _replace(final / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+    log_path.unlink(missing_ok=True)
+    if holds(final, library_names(trt)):
+        shutil.rmtree(build, ignore_errors=True)
+    if progress:
+        print(f"enginesmith: compiled {', '.join(targets)} for {sm} in {seconds:.0f} s", file=sys.stderr, flush=True)
+
+
+def _replace(path: Path, write) -> None:
+    """Write `path` through `write(tmp)` into a temp name beside it, then rename it over `path`: readers
+    see the old file or the new one, never half of one (a process that loaded the old library keeps it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def build_into(build_dir: Path, archs: tuple[str, ...], trt: bool = False, tensorrt_root: str | None = None,
@@ -411,15 +393,20 @@ def build_into(build_dir: Path, archs: tuple[str, ...], trt: bool = False, tenso
     cached); returns the folder."""
     with writing_to(build_dir, "the CUDA libraries' build", fix=f"point {BUILD_ENV} at a writable folder"):
         build_dir.mkdir(parents=True, exist_ok=True)
+        what = " and ".join(DESCRIPTIONS[n] for n in library_names(trt))
         if progress:
-            print(f"enginesmith: compiling the CUDA libraries for sm_{'/'.join(archs)} in {build_dir}",
+            print(f"enginesmith: compiling the {what} for sm_{'/'.join(archs)} in {build_dir}",
                   file=sys.stderr, flush=True)
+        started = time.time()
         run_cmake(build_dir, archs, trt, tensorrt_root, jobs, build_dir / "enginesmith-build.log")
+        if progress:
+            print(f"enginesmith: compiled in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     return build_dir
 
 
 def entry_meta(path: Path) -> dict | None:
-    """meta.json of the cache entry holding library `path`, or None (not a cache entry, unreadable)."""
+    """meta.json beside `path` (a library of a cache entry or of plugins/prebuilt/, or meta.json
+    itself), or None (no such file, unreadable)."""
     try:
         meta = json.loads((path.parent / "meta.json").read_text())
         return meta if isinstance(meta, dict) else None

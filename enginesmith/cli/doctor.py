@@ -127,50 +127,54 @@ def check_onnxruntime(gpu: plugin_compile.Gpu | None) -> list[Check]:
     return [Check("ONNX Runtime", status, value, fix, details)] + notes
 
 
+ORIGINS = {"env": "named by the environment", "build-dir": "in $ENGINESMITH_PLUGINS_BUILD",
+           "checkout": "built by hand in plugins/build", "wheel": "shipped in the wheel",
+           "cache": "compiled into the cache"}
+
+
 def check_library(name: str, gpu: plugin_compile.Gpu | None) -> Check:
     label = {"ort_ops": "ops library", "kernels": "kernels library", "trt_plugins": "TensorRT plugins"}[name]
     where = plugin_compile.locate(name, any_arch=True)
-    lib = plugin_compile.LIBRARIES[name]
-    trt = name == "trt_plugins"
-    build = "enginesmith plugins build" + " --trt" * trt
-    needs = " (needs TENSORRT_ROOT; only for --backend trt)" if trt else ""
     if where is None or not where.built:
-        if where is not None and where.origin in ("env", "build-dir"):
-            return Check(label, ERROR, f"{where.path} not found (named by the environment)",
-                         f"build it there, or unset the variable and run `{build}`{needs}", {"path": str(where.path)})
-        when = "built on request" if trt else "compiled on first use"
-        if gpu is None:
-            return Check(label, MISSING, f"not built ({lib}; {when}, for the GPU of the machine it runs on)",
-                         f"`{build} --arch 90` builds it here for sm_90{needs or ' (needs nvcc)'}", {"path": None})
-        return Check(label, MISSING, f"not built yet ({when}: {where.path})", f"`{build}` compiles it now{needs}",
-                     {"path": str(where.path), "origin": where.origin})
+        return _library_not_built(name, label, where, gpu)
     details: dict = {"path": str(where.path), "origin": where.origin}
-    meta = plugin_compile.entry_meta(where.path) if where.origin == "cache" else None
-    archs = ",".join(meta.get("archs", [])) if meta else plugin_compile.build_dir_archs(where.path)
+    meta = plugin_compile.entry_meta(where.path) if where.origin in ("cache", "wheel") else None
+    archs = ";".join(meta.get("archs", [])) if meta else plugin_compile.build_dir_archs(where.path)
     details["archs"] = archs
-    origin = {"env": "named by the environment", "build-dir": "in $ENGINESMITH_PLUGINS_BUILD",
-              "checkout": "built by hand in plugins/build", "cache": "compiled into the cache"}[where.origin]
-    value = f"{where.path} ({origin}" + (f", sm {archs}" if archs else "") + ")"
+    value = f"{where.path} ({ORIGINS[where.origin]}" + (f", sm {archs}" if archs else "") + ")"
     status, fix = OK, ""
-    if where.origin != "cache":  # a cache entry's key holds the sources' hash: it cannot be stale
+    if where.origin not in ("cache", "wheel"):  # their meta holds the sources' hash: they cannot be stale
         newer = plugin_compile.stale_sources(where.path)
         details["stale_sources"] = [str(p) for p in newer[:5]]
         if newer:
             status, fix = WARN, (f"stale: {len(newer)} source file(s) are newer than it; rebuild it "
                                  "(or unset the variable, remove it, to use the cache)")
-    if gpu is not None and archs and not _covers(archs, gpu.arch) and status == OK:
+    if gpu is not None and archs and status == OK and not plugin_compile.arch_covers(re.split(r"[;,\s]+", archs),
+                                                                                        gpu.arch):
         status, fix = WARN, f"built for sm {archs}, the GPU is sm_{gpu.arch}: enginesmith plugins build"
     return Check(label, status, value, fix, details)
 
 
-def _covers(archs: str, arch: str) -> bool:
-    """Whether a CMake arch list ("80-real;90", "90") has code that runs on sm_<arch> (SASS of the same
-    major, or PTX of an older arch)."""
-    for item in re.split(r"[;,\s]+", archs):
-        m = re.fullmatch(r"(\d+)a?(-real|-virtual)?", item.strip())
-        if m and (m.group(1) == arch or (m.group(2) != "-real" and int(m.group(1)) <= int(re.sub(r"\D", "", arch)))):
-            return True
-    return False
+def _library_not_built(name: str, label: str, where: plugin_compile.Located | None,
+                       gpu: plugin_compile.Gpu | None) -> Check:
+    """The check of a library that is not there: an error if a variable names a missing file, else
+    what will happen (compiled on first use, or on request) and, with a GPU, how to do it now."""
+    lib = plugin_compile.LIBRARIES[name]
+    trt = name == "trt_plugins"
+    build = "enginesmith plugins build" + " --trt" * trt
+    needs = " (needs TENSORRT_ROOT; only for --backend trt)" if trt else ""
+    if where is not None and where.origin in ("env", "build-dir"):
+        return Check(label, ERROR, f"{where.path} not found (named by the environment)",
+                     f"build it there, or unset the variable and run `{build}`{needs}", {"path": str(where.path)})
+    when = "built on request" if trt else "compiled on first use"
+    if gpu is None or where is None:  # nothing to do on this machine: --device cpu needs none of them
+        how = (f"`{build}` builds it, for --backend trt only" if trt else
+               "compiled on first use on a machine with an NVIDIA GPU, or shipped in a binary wheel")
+        return Check(label, INFO, f"not built ({lib}; {how}; --device cpu needs none)", "", {"path": None})
+    shipped = plugin_compile.shipped_archs() if plugin_compile.wheel_library(name) else []
+    wheel = f"; the wheel's is for sm {';'.join(shipped)}, not this GPU's sm_{gpu.arch}" if shipped else ""
+    return Check(label, MISSING, f"not built yet ({when}: {where.path}{wheel})", f"`{build}` compiles it now{needs}",
+                 {"path": str(where.path), "origin": where.origin, "wheel_archs": shipped})
 
 
 def check_old_cache_entries() -> Check | None:

@@ -1,5 +1,6 @@
 """`enginesmith plugins build`: compile the CUDA libraries (ONNX Runtime ops, kernels, TensorRT
-plugins) now rather than on first use, and print their paths."""
+plugins) now rather than on first use, and print their paths. (First use compiles only the library it
+needs; this verb compiles them all. A binary wheel ships them compiled: plugins/prebuilt.py.)"""
 
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ def cmd_plugins_build(args) -> int:
         out = plugin_compile.build_into(Path(build_env), archs, args.trt, root, args.jobs)
     else:
         out = plugin_compile.build_cached(archs, args.trt, root, args.jobs, force=args.force)
-    for name, lib in plugin_compile.LIBRARIES.items():
+    for name in plugin_compile.library_names(args.trt):
+        lib = plugin_compile.LIBRARIES[name]
         if not (out / lib).is_file():
             continue
         print(out / lib)
         where = plugin_compile.locate(name, any_arch=True)
         if where is not None and where.built and where.path != out / lib:
-            print(f"note: {where.path} ({where.origin}) is found before this {lib}; unset its variable or remove "
-                  "it to use this build", file=sys.stderr)
+            print(f"note: {where.path} ({where.origin}) is found before this {lib} and is used instead "
+                  "(plugins/compile.py's order)", file=sys.stderr)
     return 0

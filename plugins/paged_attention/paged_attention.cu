@@ -1,115 +1,87 @@
-// Paged attention: launcher and dispatch table (layers 2 and 3). Kernels: paged_attention_kernels.cuh.
+// Paged attention: launcher and dispatch (layers 2 and 3), the split merge and the KV write kernels.
+// The split kernel: paged_attention_kernels.cuh, compiled per group (paged_attention_table.h).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "paged_attention.h"
 #include "paged_attention_kernels.cuh"
+#include "paged_attention_table.h"
 
 namespace enginesmith {
 namespace paged_attention {
 namespace {
 
-using KernelFn = void (*)(Params, int);
 using ReduceFn = void (*)(Params, int, int);
 
-// One split kernel variant: rows per block (block_rows) and its dynamic shared memory.
-struct Variant {
-    KernelFn kernel;
-    size_t smem;
-    std::atomic<bool>* smem_configured;
-};
-
-struct Entry {
-    DType dtype;
-    KvFormat kv_format;
-    int head_size;
-    int block_size;
-    Variant single_tile;  // G * Sq <= kRowsPerCta
-    Variant multi_tile;   // G * Sq > kRowsPerCta: kMultiTiles row tiles per block
-    Variant single_ext;   // the same with soft-capping / a window (kExt; fp16 only: else kernel null)
-    Variant multi_ext;
-    ReduceFn reduce;
-    std::atomic<int>* slots;  // cached resident_slots (0 = not yet asked)
-
-    Variant const& variant(int rows, bool ext = false) const {
-        const bool multi = block_rows(rows) > kRowsPerCta;
-        return ext ? (multi ? multi_ext : single_ext) : (multi ? multi_tile : single_tile);
-    }
-};
-
-template <typename T, int D, int BS, KvFormat KV, int kMT, bool kExt>
-Variant make_variant() {
-    static std::atomic<bool> configured{false};
-    return Variant{&detail::paged_attention_kernel<T, D, BS, kMT, KV, kExt>, detail::smem_bytes<T, D, kMT, KV>(),
-        &configured};
+// The compiled groups (CMakeLists.txt compiles the same list): every head size of limits.json for
+// fp16 and bf16 pages, and for int8 / fp8 pages with fp16 compute (kv_quant.h).
+template <typename T, KvFormat KV, size_t... I>
+void add_groups(std::vector<Group>& out, std::index_sequence<I...>) {
+    (out.push_back(group<T, KV, kSupportedHeadSizes[I]>()), ...);
 }
 
-// kExt variants (soft-capping, windows) are compiled for fp16, the compute dtype of the ONNX Runtime
-// op that has the options; bf16 entries have none (check_config says so).
-template <typename T, int D, int BS, KvFormat KV = KvFormat::kNative>
-Entry make_entry(DType dtype) {
-    static std::atomic<int> slots{0};
-    constexpr bool kHasExt = std::is_same<T, __half>::value;
-    Variant const none{nullptr, 0, nullptr};
-    Variant single_ext = none, multi_ext = none;
-    if constexpr (kHasExt) {
-        single_ext = make_variant<T, D, BS, KV, 1, true>();
-        multi_ext = make_variant<T, D, BS, KV, kMultiTiles, true>();
-    }
-    return Entry{dtype, KV, D, BS, make_variant<T, D, BS, KV, 1, false>(), make_variant<T, D, BS, KV, kMultiTiles, false>(),
-        single_ext, multi_ext, &detail::paged_attention_reduce_kernel<T, D>, &slots};
+std::vector<Group> const& groups() {
+    static std::vector<Group> const all = [] {
+        std::vector<Group> g;
+        constexpr auto heads = std::make_index_sequence<std::size(kSupportedHeadSizes)>{};
+        add_groups<__half, KvFormat::kNative>(g, heads);
+        add_groups<__nv_bfloat16, KvFormat::kNative>(g, heads);
+        add_groups<__half, KvFormat::kInt8>(g, heads);
+        add_groups<__half, KvFormat::kFp8E4M3>(g, heads);
+        return g;
+    }();
+    return all;
 }
 
 // The dispatch table: every (dtype, KV format, head size, block size) with a compiled kernel. Anything
 // else is reported by check_config with the supported values.
 Entry const* find_entry(DType dtype, int head_size, int block_size, KvFormat kv = KvFormat::kNative) {
-    static Entry const kTable[] = {
-        make_entry<__half, 64, 16>(DType::kFloat16),
-        make_entry<__half, 64, 32>(DType::kFloat16),
-        make_entry<__half, 64, 64>(DType::kFloat16),
-        make_entry<__half, 128, 16>(DType::kFloat16),
-        make_entry<__half, 128, 32>(DType::kFloat16),
-        make_entry<__half, 128, 64>(DType::kFloat16),
-        make_entry<__half, 256, 16>(DType::kFloat16),
-        make_entry<__half, 256, 32>(DType::kFloat16),
-        make_entry<__half, 256, 64>(DType::kFloat16),
-        make_entry<__nv_bfloat16, 64, 16>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 64, 32>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 64, 64>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 128, 16>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 128, 32>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 128, 64>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 256, 16>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 256, 32>(DType::kBFloat16),
-        make_entry<__nv_bfloat16, 256, 64>(DType::kBFloat16),
-        // quantized pages (kv_quant.h): fp16 compute
-        make_entry<__half, 64, 16, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 64, 32, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 64, 64, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 128, 16, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 128, 32, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 128, 64, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 256, 16, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 256, 32, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 256, 64, KvFormat::kInt8>(DType::kFloat16),
-        make_entry<__half, 64, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 64, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 64, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 128, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 128, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 128, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 256, 16, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 256, 32, KvFormat::kFp8E4M3>(DType::kFloat16),
-        make_entry<__half, 256, 64, KvFormat::kFp8E4M3>(DType::kFloat16),
-    };
-    for (Entry const& e : kTable)
-        if (e.dtype == dtype && e.kv_format == kv && e.head_size == head_size && e.block_size == block_size) return &e;
+    for (Group const& g : groups())
+        for (int i = 0; i < g.count; ++i) {
+            Entry const& e = g.entries[i];
+            if (e.dtype == dtype && e.kv_format == kv && e.head_size == head_size && e.block_size == block_size) return &e;
+        }
     return nullptr;
+}
+
+// The split merge kernel (T, D): compiled here, once per pair.
+template <typename T, size_t... I>
+ReduceFn reduce_for(int head_size, std::index_sequence<I...>) {
+    ReduceFn fn = nullptr;
+    ((head_size == kSupportedHeadSizes[I] ? (fn = &detail::paged_attention_reduce_kernel<T, kSupportedHeadSizes[I]>, 0) : 0), ...);
+    return fn;
+}
+
+ReduceFn reduce_kernel(DType dtype, int head_size) {
+    constexpr auto heads = std::make_index_sequence<std::size(kSupportedHeadSizes)>{};
+    return dtype == DType::kBFloat16 ? reduce_for<__nv_bfloat16>(head_size, heads) : reduce_for<__half>(head_size, heads);
+}
+
+// Copy T new tokens' K/V rows (Hkv * D elements each) to their cache slots, 16 bytes per thread.
+__global__ void write_kv_kernel(WriteKVParams p, int chunks_per_token) {
+    const int t = blockIdx.x;
+    const int slot = p.slot_mapping[t];
+    if (slot == -1) return;
+    if (slot < 0 || slot >= p.num_blocks * p.block_size) {
+        if (threadIdx.x == 0 && p.error_flag != nullptr) atomicOr(p.error_flag, kErrorSlotMapping);
+        return;
+    }
+    uint4 const* key = static_cast<uint4 const*>(p.key) + static_cast<size_t>(t) * chunks_per_token;
+    uint4 const* value = static_cast<uint4 const*>(p.value) + static_cast<size_t>(t) * chunks_per_token;
+    uint4* kc = static_cast<uint4*>(p.k_cache) + static_cast<size_t>(slot) * chunks_per_token;
+    uint4* vc = static_cast<uint4*>(p.v_cache) + static_cast<size_t>(slot) * chunks_per_token;
+    for (int i = threadIdx.x; i < chunks_per_token; i += blockDim.x) {
+        kc[i] = key[i];
+        vc[i] = value[i];
+    }
 }
 
 template <size_t N>
@@ -274,9 +246,6 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
     Entry const* e = find_entry(p.dtype, p.head_size, p.block_size, p.kv_format);
     const int group = p.num_heads / p.num_kv_heads;
     Variant const& kernel = e->variant(group * p.query_len, ext);
-    if (kernel.kernel == nullptr)
-        return Status::Error(std::string("paged attention: soft-capping and windows are compiled for float16 only, got ") +
-                             dtypeName(p.dtype));
     ES_RETURN_IF_ERROR(configure_smem(kernel));
     if (p.num_splits <= 0 && slots <= 0)
         ES_RETURN_IF_ERROR(resident_slots(p.dtype, p.head_size, p.block_size, &slots, p.kv_format));
@@ -346,7 +315,7 @@ Status launch_paged_attention(Params p, void* workspace, size_t workspace_bytes,
         config.stream = stream;
         config.attrs = pdl;
         config.numAttrs = dependent_launch_supported() ? 1 : 0;
-        ES_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, e->reduce, p, rows, splits));
+        ES_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, reduce_kernel(p.dtype, p.head_size), p, rows, splits));
     }
     return Status::Ok();
 }
@@ -364,7 +333,7 @@ Status launch_write_kv(WriteKVParams const& p, cudaStream_t stream) {
     if (!p.key || !p.value || !p.slot_mapping || !p.k_cache || !p.v_cache)
         return Status::Error("write kv: a required pointer is null");
     const int chunks = p.num_kv_heads * p.head_size * 2 / 16;  // 16-bit elements, 16-byte chunks
-    detail::write_kv_kernel<<<p.num_tokens, std::min(256, ((chunks + 31) / 32) * 32), 0, stream>>>(p, chunks);
+    write_kv_kernel<<<p.num_tokens, std::min(256, ((chunks + 31) / 32) * 32), 0, stream>>>(p, chunks);
     ES_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     return Status::Ok();
 }

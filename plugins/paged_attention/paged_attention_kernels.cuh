@@ -921,25 +921,6 @@ __global__ void __launch_bounds__(kReduceThreads, 8) paged_attention_reduce_kern
     }
 }
 
-// Copy T new tokens' K/V rows (Hkv * D elements each) to their cache slots, 16 bytes per thread.
-__global__ void write_kv_kernel(WriteKVParams p, int chunks_per_token) {
-    const int t = blockIdx.x;
-    const int slot = p.slot_mapping[t];
-    if (slot == -1) return;
-    if (slot < 0 || slot >= p.num_blocks * p.block_size) {
-        if (threadIdx.x == 0 && p.error_flag != nullptr) atomicOr(p.error_flag, kErrorSlotMapping);
-        return;
-    }
-    uint4 const* key = static_cast<uint4 const*>(p.key) + static_cast<size_t>(t) * chunks_per_token;
-    uint4 const* value = static_cast<uint4 const*>(p.value) + static_cast<size_t>(t) * chunks_per_token;
-    uint4* kc = static_cast<uint4*>(p.k_cache) + static_cast<size_t>(slot) * chunks_per_token;
-    uint4* vc = static_cast<uint4*>(p.v_cache) + static_cast<size_t>(slot) * chunks_per_token;
-    for (int i = threadIdx.x; i < chunks_per_token; i += blockDim.x) {
-        kc[i] = key[i];
-        vc[i] = value[i];
-    }
-}
-
 }  // namespace detail
 }  // namespace paged_attention
 }  // namespace enginesmith

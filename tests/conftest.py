@@ -1,6 +1,5 @@
 """Shared fixtures. The real SmolLM2 is exported at most once: engines are built through the same
-content-hash-keyed cache that `enginesmith run` uses (ENGINESMITH_CACHE, default ~/.cache), so a
-second test session, or a `run` before it, reuses them.
+content-hash-keyed cache that `enginesmith run` uses, so a second test session reuses them.
 
 - `smollm2`: the embedded default model (`LoadedModel`: fp32 torch model + tokenizer).
 - `smollm2_engine`: Path of the default fp32 ONNX Runtime engine directory.
@@ -10,18 +9,26 @@ second test session, or a `run` before it, reuses them.
   it (`eval ppl`'s default text, calibration) ask for it, so they skip without it (fail under
   ENGINESMITH_TEST_STRICT=1, see tests/external.py).
 Tests that use the SmolLM2 fixtures are `@pytest.mark.slow` (they still run in CI).
+
+Tests never write into the user's cache: unless ENGINESMITH_CACHE names one, they use a per-user
+folder under the temp dir (shared by pytest-xdist workers and later sessions; cached engines carry the
+builder's code fingerprint, so one written by other code is rebuilt).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from external import missing
 
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
+
+def pytest_configure(config):
+    if not os.environ.get("ENGINESMITH_CACHE"):
+        os.environ["ENGINESMITH_CACHE"] = str(Path(tempfile.gettempdir()) / f"enginesmith-tests-{os.getuid()}" / "cache")
 
 
 def _require_default_model():
@@ -81,13 +88,13 @@ def tiny_engine():
 
 
 @pytest.fixture(scope="session")
-def ort_ops_lib(tmp_path_factory):
+def ort_ops_lib(request):
     """libenginesmith_ort_ops.so for the tests that run enginesmith's ORT ops (their CPU kernels here):
     $ENGINESMITH_ORT_OPS_LIB or $ENGINESMITH_PLUGINS_BUILD's if built (the GPU machine), else compiled
-    once here, the ops target alone (nvcc and cmake needed: else a skip, a failure under strict)."""
-    import subprocess
-
+    once here for one arch, the ops target alone (tests/plugin_build.py; nvcc and cmake needed: else a
+    skip, a failure under strict)."""
     from enginesmith.plugins import compile as plugin_compile
+    from plugin_build import compile_targets
 
     for env, name in (("ENGINESMITH_ORT_OPS_LIB", ""), (plugin_compile.BUILD_ENV, plugin_compile.LIBRARIES["ort_ops"])):
         given = Path(os.environ.get(env, "/nonexistent")) / name
@@ -95,11 +102,7 @@ def ort_ops_lib(tmp_path_factory):
             return given
     if plugin_compile.find_nvcc() is None or plugin_compile.find_cmake() is None:
         missing("nvcc and cmake are needed to compile the ORT ops library", "install the CUDA toolkit and cmake")
-    out = tmp_path_factory.mktemp("ort_ops_build")
-    configure, build = plugin_compile.cmake_commands(out, "90", trt=False)
-    for cmd in (configure, build + ["--target", "enginesmith_ort_ops"]):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    out = compile_targets(request.config, ("enginesmith_ort_ops",), what="the ONNX Runtime ops library")
     return out / plugin_compile.LIBRARIES["ort_ops"]
 
 

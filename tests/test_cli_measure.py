@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.test_cli_errors import cli
+from test_cli_errors import cli
 
 
 def _json(result):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_cli_errors import cli
+from test_cli_errors import cli
 
 
 @pytest.mark.slow

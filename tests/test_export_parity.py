@@ -14,7 +14,7 @@ from enginesmith.export import adapter
 from enginesmith.models import load as models
 from enginesmith.runtime.generate import GenerationConfig, generate_ids, left_pad, positions
 from enginesmith.runtime.load import open_engine
-from tests.conftest import FAMILIES
+from tiny_families import FAMILIES
 
 TOL = 1e-3
 

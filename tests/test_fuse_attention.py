@@ -17,7 +17,7 @@ import pytest
 
 from enginesmith.passes.fusion.fuse_attention import fuse_attention
 
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
+from tiny_families import FAMILIES
 GQA = {"llama": True, "qwen2": True, "mistral": True, "gpt2": False}
 ATOL = 1e-4
 

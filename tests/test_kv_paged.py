@@ -34,7 +34,7 @@ from enginesmith.passes.lower.paged_lower import lower_paged_graph
 from enginesmith.runtime.kv_paged import PagedKVCache, PagedKVPool, PagedStep, build_step, check_step
 from enginesmith.runtime.ort_engine import OrtEngine
 
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
+from tiny_families import FAMILIES
 ATOL = 1e-4
 VOCAB = 49152
 

@@ -10,7 +10,7 @@ from enginesmith.build.engine import BuildConfig, cached_engine
 from enginesmith.core.errors import EngineError
 from enginesmith.models import load as models
 from enginesmith.runtime.load import open_engine
-from tests.test_export_parity import ort_greedy, torch_greedy
+from test_export_parity import ort_greedy, torch_greedy
 
 
 def test_fp16_engine_tracks_fp32_pytorch():

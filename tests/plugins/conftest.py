@@ -1,7 +1,8 @@
 """Fixtures for the plugin tests: the plugin modules and one CMake build shared by the session.
 
-The build is made once (all CUDA archs) unless $ENGINESMITH_PLUGINS_BUILD names a directory that
-already holds it (on the GPU machine: `enginesmith plugins build`'s cache directory). The kernels need
+The build is made once per machine for one arch (tests/plugin_build.py; every arch under
+ENGINESMITH_TEST_STRICT=1) unless $ENGINESMITH_PLUGINS_BUILD names a directory that already holds it
+(on the GPU machine: `enginesmith plugins build`'s cache directory). The kernels need
 only nvcc; the TensorRT plugin library also needs the TensorRT headers ($TENSORRT_ROOT, see
 tests/external.py): without them the tests of that library skip, or fail under ENGINESMITH_TEST_STRICT=1.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from external import TENSORRT, missing
+from plugin_build import compile_targets, tensorrt_root
 from plugin_modules import kernels, load
 
 
@@ -23,26 +25,24 @@ def nvcc_path() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def kernel_build(tmp_path_factory) -> Path:
-    """Directory holding libenginesmith_kernels.so, built once for every CUDA arch; with the TensorRT
-    headers present, the TensorRT plugin library and wrapper check too (the ORT ops: ort_ops_lib).
-    The kernels need no TensorRT: a GPU machine without its headers still runs every kernel test."""
+def kernel_build(request) -> Path:
+    """Directory holding libenginesmith_kernels.so; with the TensorRT headers present, the TensorRT
+    plugin library and wrapper check too (the ORT ops: ort_ops_lib). Compiled once per machine for one
+    arch (tests/plugin_build.py); under ENGINESMITH_TEST_STRICT=1 (.ci/run) for every arch of
+    ALL_ARCHS, the check that each compiles. The kernels need no TensorRT: a GPU machine without its
+    headers still runs every kernel test."""
     prebuilt = os.environ.get("ENGINESMITH_PLUGINS_BUILD")
     if prebuilt and (Path(prebuilt) / "libenginesmith_kernels.so").exists():
         return Path(prebuilt)
     if nvcc_path() is None:
         missing("nvcc is not installed: the CUDA plugins cannot be compiled here",
                 "install the CUDA toolkit (nvcc on PATH or in /usr/local/cuda/bin)")
-    root = TENSORRT.path()
-    with_trt = (root / TENSORRT.marker).exists()
-    out = tmp_path_factory.mktemp("plugins_build")
-    # every arch for the kernels and the TensorRT plugins; the ORT ops are built once for sm_90 by the
-    # ort_ops_lib fixture (their CPU kernels are what runs here; all archs of attention.cu take ~10 min)
+    with_trt = tensorrt_root() is not None
     targets = ("enginesmith_kernels",) + (("enginesmith_trt_plugins", "enginesmith_trt_wrapper_check") if with_trt
                                           else ())
-    kernels.build(out, archs=kernels.ALL_ARCHS, tensorrt_root=str(root) if with_trt else None, trt_plugins=with_trt,
-                  targets=targets)
-    return out
+    archs = kernels.ALL_ARCHS if os.environ.get("ENGINESMITH_TEST_STRICT") == "1" else None
+    what = "the kernels" + (" and TensorRT plugin libraries" if with_trt else " library")
+    return compile_targets(request.config, targets, archs=archs, what=what)
 
 
 @pytest.fixture(scope="session")

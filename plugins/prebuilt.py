@@ -42,7 +42,8 @@ def requested_archs() -> tuple[str, ...] | None:
     try:
         return plugin_compile.parse_archs(text)
     except UserError as exc:
-        raise UserError(f"${ARCHS_ENV}: {exc.what}", 'e.g. ENGINESMITH_KERNEL_ARCHS="80;86;87;89;90"') from None
+        raise UserError(f"{ARCHS_ENV}={text!r} is not a list of CUDA archs the kernels support ({exc.what})",
+                        'e.g. ENGINESMITH_KERNEL_ARCHS="80;86;87;89;90" (sm_80 or newer)') from None
 
 
 def stage_from_environment(dest: Path, work: Path, say=print) -> dict | None:

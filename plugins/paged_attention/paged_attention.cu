@@ -21,16 +21,22 @@ namespace {
 
 using ReduceFn = void (*)(Params, int, int);
 
-// The compiled groups (CMakeLists.txt compiles the same list): every head size of limits.json for
-// fp16 and bf16 pages, and for int8 / fp8 pages with fp16 compute (kv_quant.h).
-template <typename T, KvFormat KV, size_t... I>
-void add_groups(std::vector<Group>& out, std::index_sequence<I...>) {
-    (out.push_back(group<T, KV, kSupportedHeadSizes[I]>()), ...);
+// The compiled groups (CMakeLists.txt compiles the same list): every head and block size of
+// limits.json for fp16 and bf16 pages, and for int8 / fp8 pages with fp16 compute (kv_quant.h).
+template <typename T, KvFormat KV, int D, size_t... J>
+void add_block_sizes(std::vector<Entry const*>& out, std::index_sequence<J...>) {
+    (out.push_back(entry<T, KV, D, kSupportedBlockSizes[J]>()), ...);
 }
 
-std::vector<Group> const& groups() {
-    static std::vector<Group> const all = [] {
-        std::vector<Group> g;
+template <typename T, KvFormat KV, size_t... I>
+void add_groups(std::vector<Entry const*>& out, std::index_sequence<I...>) {
+    constexpr auto blocks = std::make_index_sequence<std::size(kSupportedBlockSizes)>{};
+    (add_block_sizes<T, KV, kSupportedHeadSizes[I]>(out, blocks), ...);
+}
+
+std::vector<Entry const*> const& groups() {
+    static std::vector<Entry const*> const all = [] {
+        std::vector<Entry const*> g;
         constexpr auto heads = std::make_index_sequence<std::size(kSupportedHeadSizes)>{};
         add_groups<__half, KvFormat::kNative>(g, heads);
         add_groups<__nv_bfloat16, KvFormat::kNative>(g, heads);
@@ -44,11 +50,8 @@ std::vector<Group> const& groups() {
 // The dispatch table: every (dtype, KV format, head size, block size) with a compiled kernel. Anything
 // else is reported by check_config with the supported values.
 Entry const* find_entry(DType dtype, int head_size, int block_size, KvFormat kv = KvFormat::kNative) {
-    for (Group const& g : groups())
-        for (int i = 0; i < g.count; ++i) {
-            Entry const& e = g.entries[i];
-            if (e.dtype == dtype && e.kv_format == kv && e.head_size == head_size && e.block_size == block_size) return &e;
-        }
+    for (Entry const* e : groups())
+        if (e->dtype == dtype && e->kv_format == kv && e->head_size == head_size && e->block_size == block_size) return e;
     return nullptr;
 }
 

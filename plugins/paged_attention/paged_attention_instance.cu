@@ -1,16 +1,14 @@
 // One group of paged attention's split kernel (paged_attention_table.h): compute dtype ES_INSTANCE_T,
-// KV format ES_INSTANCE_KV, head size ES_INSTANCE_D, every supported block size. CMakeLists.txt
+// KV format ES_INSTANCE_KV, head size ES_INSTANCE_D, block size ES_INSTANCE_BS. CMakeLists.txt
 // compiles this file once per group.
-#include <iterator>
 #include <type_traits>
-#include <utility>
 
 #include "../common/plain_variants.h"
 #include "paged_attention_kernels.cuh"
 #include "paged_attention_table.h"
 
-#if !defined(ES_INSTANCE_T) || !defined(ES_INSTANCE_KV) || !defined(ES_INSTANCE_D)
-#error "ES_INSTANCE_T, ES_INSTANCE_KV and ES_INSTANCE_D name the group: build with plugins/CMakeLists.txt"
+#if !defined(ES_INSTANCE_T) || !defined(ES_INSTANCE_KV) || !defined(ES_INSTANCE_D) || !defined(ES_INSTANCE_BS)
+#error "ES_INSTANCE_T, ES_INSTANCE_KV, ES_INSTANCE_D and ES_INSTANCE_BS name the group: build with plugins/CMakeLists.txt"
 #endif
 
 namespace enginesmith {
@@ -40,20 +38,15 @@ Entry make_entry() {
 #endif
 }
 
-template <typename T, KvFormat KV, int D, size_t... I>
-Group make_group(std::index_sequence<I...>) {
-    static Entry const kEntries[] = {make_entry<T, D, kSupportedBlockSizes[I], KV>()...};
-    return Group{kEntries, static_cast<int>(sizeof...(I))};
-}
-
 }  // namespace
 
-template <typename T, KvFormat KV, int D>
-Group group() {
-    return make_group<T, KV, D>(std::make_index_sequence<std::size(kSupportedBlockSizes)>{});
+template <typename T, KvFormat KV, int D, int BS>
+Entry const* entry() {
+    static Entry const kEntry = make_entry<T, D, BS, KV>();
+    return &kEntry;
 }
 
-template Group group<ES_INSTANCE_T, KvFormat::ES_INSTANCE_KV, ES_INSTANCE_D>();
+template Entry const* entry<ES_INSTANCE_T, KvFormat::ES_INSTANCE_KV, ES_INSTANCE_D, ES_INSTANCE_BS>();
 
 }  // namespace paged_attention
 }  // namespace enginesmith

@@ -2,10 +2,10 @@
 // the kernel groups (paged_attention_instance.cu).
 //
 // The split kernel is compiled in groups, one translation unit per (compute dtype, KV format, head
-// size): CMakeLists.txt compiles paged_attention_instance.cu once per group with ES_INSTANCE_T /
-// ES_INSTANCE_KV / ES_INSTANCE_D, so a build uses every core. A group holds an Entry per block size
-// (limits.json); the dispatch walks the groups that CMakeLists.txt compiled (the same list twice: here,
-// kGroupFormats, and there).
+// size, block size): CMakeLists.txt compiles paged_attention_instance.cu once per group with
+// ES_INSTANCE_T / ES_INSTANCE_KV / ES_INSTANCE_D / ES_INSTANCE_BS, so a build uses every core. Each
+// group holds one Entry; the dispatch (paged_attention.cu, groups()) lists the (dtype, KV format) pairs
+// that CMakeLists.txt compiles, for every head and block size of limits.json.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,15 +47,9 @@ struct Entry {
     }
 };
 
-// A group's entries, one per supported block size.
-struct Group {
-    Entry const* entries;
-    int count;
-};
-
-// The entries of group (T, KV, D): defined in paged_attention_instance.cu, instantiated once per group.
-template <typename T, KvFormat KV, int D>
-Group group();
+// The entry of group (T, KV, D, BS): defined in paged_attention_instance.cu, instantiated once per group.
+template <typename T, KvFormat KV, int D, int BS>
+Entry const* entry();
 
 }  // namespace paged_attention
 }  // namespace enginesmith

@@ -1,20 +1,21 @@
-"""One install for GPU users: the ONNX Runtime flavour check, the sources in the wheel, compiling the
-CUDA libraries on first use into the cache, `enginesmith doctor`, and the --for-cuda build knobs.
+"""One install for GPU users: the ONNX Runtime flavour check, finding the CUDA libraries and compiling
+them on first use into the cache (one library at a time, under one lock a key), `enginesmith doctor`,
+and the --for-cuda build knobs. The wheels themselves: tests/test_wheel.py.
 
-Installs are real: a wheel built by pip, site-packages folders with pip's dist-info metadata, the
-CLI run in processes that see exactly those folders. The compile test runs CMake and nvcc for sm_90
-(a few minutes on 2 cores; the CPU machines have nvcc 13, no GPU).
+Installs are real: site-packages folders with pip's dist-info metadata, the CLI run in processes that
+see exactly those folders. The cache's locking and growth run real processes and locks with CMake and
+nvcc stood in for (cmake_stand_in.py): the real compile is tested by test_wheel.py's build (nvcc, one
+arch) and, on a GPU, by test_first_use_on_a_gpu_compiles_for_it_and_the_engine_runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
-import zipfile
+import time
 from pathlib import Path
 
 import onnx
@@ -25,7 +26,7 @@ from enginesmith.core import onnxruntime_flavour
 from enginesmith.core.errors import UserError
 from enginesmith.plugins import compile as plugin_compile
 from enginesmith.plugins import ort_ops
-from external import missing
+from cmake_stand_in import LAUNCH_CLI, stand_in_run_cmake
 from test_cli_errors import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,50 +139,6 @@ def test_mixed_install_stops_run_with_the_uninstall_fix(tmp_path, tiny_engine):
     assert_one_line_error(result, 2, "onnxruntime-gpu 1.31.1", "both installed", onnxruntime_flavour.MIXED_FIX)
 
 
-# ----------------------------------------------------------------------------- the wheel
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """pip's wheel of this checkout (tracked and untracked-but-not-ignored files, as CI's clone has)."""
-    src = tmp_path_factory.mktemp("src")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        if (REPO / rel).is_file():
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, src / rel)
-    (src / "plugins" / "build").mkdir()  # a hand build in the checkout must not ship
-    (src / "plugins" / "build" / "stray.cpp").write_text("// built output\n")
-    out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
-                           "-w", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (whl,) = out.glob("enginesmith-*.whl")
-    return whl
-
-
-def test_the_wheel_ships_every_source_cmake_builds_from(wheel, tmp_path):
-    names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = {f"enginesmith/plugins/{p.relative_to(plugin_compile.PLUGINS_DIR).as_posix()}"
-              for p in plugin_compile.source_files()}
-    assert "enginesmith/plugins/CMakeLists.txt" in wanted and "enginesmith/plugins/ort_ops/ort_abi.h" in wanted
-    assert wanted <= names, sorted(wanted - names)
-    assert "enginesmith/plugins/sparse_gemm/profitability.json" in names
-    assert not [n for n in names if n.startswith("enginesmith/plugins/build/")]
-    # Installed from the wheel alone (no checkout, no site-packages), compile.py finds the sources
-    # beside itself, and they hash like the checkout's: the same cache key.
-    target = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(target)
-    code = ("import json; from enginesmith.plugins import compile as c; "
-            "print(json.dumps([str(c.PLUGINS_DIR), c.sources_sha256()]))")
-    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(target)}, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    where, sha = json.loads(proc.stdout)
-    assert Path(where) == target / "enginesmith" / "plugins" and (Path(where) / "CMakeLists.txt").is_file()
-    assert sha == plugin_compile.sources_sha256()
-
-
 # ----------------------------------------------------------------------------- finding and compiling the libraries
 
 @pytest.fixture
@@ -190,6 +147,7 @@ def clean_env(monkeypatch, tmp_path):
     for var in ("ENGINESMITH_ORT_OPS_LIB", "ENGINESMITH_KERNELS_LIB", plugin_compile.BUILD_ENV):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("ENGINESMITH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plugin_compile, "PREBUILT_DIR", tmp_path / "no-wheel")  # as in a checkout
     if (plugin_compile.CHECKOUT_BUILD_DIR / ort_ops.LIBRARY).is_file():
         pytest.skip("plugins/build holds a hand-built ops library, which wins over the cache")
     return tmp_path
@@ -235,38 +193,92 @@ def test_plugins_build_bad_arch_is_one_line(capsys, arch, word):
     assert err.startswith("error: ") and word in err and "--arch 90" in err and "\n" not in err
 
 
+def _stand_in(monkeypatch, where: Path, release: bool = False) -> Path:
+    """run_cmake replaced by tests/cmake_stand_in.py here and in the processes started from here; the
+    file where its calls are recorded."""
+    calls = where / "cmake_calls.txt"
+    monkeypatch.setenv("STAND_IN_CALLS", str(calls))
+    if release:
+        monkeypatch.setenv("STAND_IN_RELEASE", str(where / "release"))
+    monkeypatch.setattr(plugin_compile, "run_cmake", stand_in_run_cmake)
+    return calls
+
+
+def _wait_for(what, check, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_plugins_build_compiles_once_even_when_two_ask_at_once_then_hits_the_cache(clean_env, monkeypatch):
-    """Two `enginesmith plugins build --arch 90` at the same time: one compiles, the other waits on the
-    lock and finds the entry; a third call is a cache hit; the ops library then loads into ORT here."""
-    for tool, found in (("nvcc", plugin_compile.find_nvcc()), ("cmake", plugin_compile.find_cmake())):
-        if found is None:
-            missing(f"{tool} is not installed: the CUDA libraries cannot be compiled here",
-                    'install the CUDA toolkit and pip install "enginesmith[cuda]"')
-    env = {**os.environ, "ENGINESMITH_CACHE": str(clean_env / "cache")}
-    cmd = [sys.executable, "-m", "enginesmith.cli", "plugins", "build", "--arch", "90"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=1500) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
+    """Two `enginesmith plugins build --arch 90` processes at once: one compiles (CMake and nvcc are
+    stood in for: cmake_stand_in.py, held until both processes are in), the other waits on the lock
+    and finds the entry, which shows no library while the compile is in flight; a third is a hit."""
+    calls = _stand_in(monkeypatch, clean_env, release=True)
+    cmd = [sys.executable, "-c", LAUNCH_CLI.format(tests=str(REPO / "tests")), "plugins", "build", "--arch", "90"]
+    errs = [clean_env / f"err{i}.txt" for i in range(2)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(err, "w"), text=True) for err in errs]
     entry = plugin_compile.kernels_cache() / plugin_compile.cache_key(("90",))
+    _wait_for("the first compile", calls.with_suffix(".started").exists)
+    assert not any(entry.glob("*.so")), "a library is visible before its compile ended"
+    _wait_for("the second process to wait on the lock",
+              lambda: any("waiting for another process" in e.read_text() for e in errs))
+    (clean_env / "release").touch()
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e.read_text() for e in errs]
     expected = f"{entry / ort_ops.LIBRARY}\n{entry / plugin_compile.LIBRARIES['kernels']}\n"
-    assert [out for out, _ in outs] == [expected, expected]
-    errs = sorted(err for _, err in outs)  # the compiling one, then the one that waited on the lock
-    assert "compiled in" in errs[0] and errs[1].startswith("enginesmith: waiting for another process"), errs
-    assert "compiled in" not in errs[1]
+    assert outs == [expected, expected]
+    waited, compiled = sorted((e.read_text() for e in errs), key=lambda t: "compiled " in t)
+    assert "for sm_90 once" in compiled and "compiled enginesmith_ort_ops, enginesmith_kernels for sm_90 in" in compiled
+    assert waited.startswith("enginesmith: waiting for another process") and "compil" not in waited.split("\n", 1)[1]
+    assert [line.split()[1:] for line in calls.read_text().splitlines()] == [["enginesmith_ort_ops",
+                                                                              "enginesmith_kernels"]]
     meta = json.loads((entry / "meta.json").read_text())
     assert meta["archs"] == ["90"] and meta["sources_sha256"] == plugin_compile.sources_sha256()
-    assert [p.name for p in plugin_compile.kernels_cache().iterdir() if not p.name.endswith(".lock")] == [entry.name]
+    assert sorted(meta["libraries"]) == sorted([ort_ops.LIBRARY, plugin_compile.LIBRARIES["kernels"]])
+    left = sorted(p.name for p in plugin_compile.kernels_cache().iterdir())
+    assert left == [f".{entry.name}.lock", entry.name]  # no temp file, log or build folder left
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == expected and "compil" not in again.stderr
+    assert len(calls.read_text().splitlines()) == 1
 
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert again.returncode == 0 and again.stdout == expected and "compiling" not in again.stderr
 
-    import onnxruntime as ort
+def test_first_use_compiles_only_the_library_it_needs_and_the_entry_grows(clean_env, monkeypatch, capsys):
+    calls = _stand_in(monkeypatch, clean_env)
+    monkeypatch.setattr(plugin_compile, "detect_gpu", lambda: plugin_compile.Gpu("H100", "90", None, "test"))
+    entry = plugin_compile.kernels_cache() / plugin_compile.cache_key(("90",))
+    build = entry.parent / f".{entry.name}.build"
+    kernels_lib = plugin_compile.LIBRARIES["kernels"]
+    assert plugin_compile.ensure("ort_ops") == entry / ort_ops.LIBRARY
+    assert not (entry / kernels_lib).exists() and build.is_dir()  # kept: the kernels reuse its objects
+    err = capsys.readouterr().err
+    assert "compiling the ONNX Runtime ops library (enginesmith_ort_ops) for sm_90 once" in err
+    assert "compiled enginesmith_ort_ops for sm_90 in" in err
+    assert plugin_compile.ensure("kernels") == entry / kernels_lib
+    assert "compiling the kernels library (enginesmith_kernels) for sm_90" in capsys.readouterr().err
+    lines = [line.split() for line in calls.read_text().splitlines()]
+    assert lines == [[str(build), "enginesmith_ort_ops"], [str(build), "enginesmith_kernels"]]
+    assert not build.exists()  # the entry holds both libraries now
+    meta = json.loads((entry / "meta.json").read_text())
+    assert {lib: m["target"] for lib, m in meta["libraries"].items()} == {ort_ops.LIBRARY: "enginesmith_ort_ops",
+                                                                          kernels_lib: "enginesmith_kernels"}
+    assert (entry / ort_ops.LIBRARY).read_bytes() == b"stand-in enginesmith_ort_ops"
+    assert plugin_compile.ensure("ort_ops") == entry / ort_ops.LIBRARY and len(calls.read_text().splitlines()) == 2
 
-    path = ort_ops.require()  # no GPU here: any compiled entry for these sources serves the CPU kernels
-    assert path == entry / ort_ops.LIBRARY
-    ort.SessionOptions().register_custom_ops_library(str(path))
+
+def test_a_failed_compile_leaves_nothing_behind_and_is_one_line(clean_env, monkeypatch, capsys):
+    def failing(build_dir, *args, **kwargs):
+        build_dir.mkdir(parents=True)
+        (build_dir / "CMakeCache.txt").write_text("CMAKE_CUDA_COMPILER:FILEPATH=/wrong/nvcc\n")
+        raise plugin_compile.CompileError("compiling enginesmith's CUDA libraries failed: nvcc fatal", "see the log")
+
+    monkeypatch.setattr(plugin_compile, "run_cmake", failing)
+    assert cli.main(["plugins", "build", "--arch", "90"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: compiling enginesmith's CUDA libraries failed: nvcc fatal (fix: see the log)"
+    key = plugin_compile.cache_key(("90",))
+    assert [p.name for p in plugin_compile.kernels_cache().iterdir()] == [f".{key}.lock"]
 
 
 def _cuda() -> bool:
@@ -286,7 +298,7 @@ def test_first_use_on_a_gpu_compiles_for_it_and_the_engine_runs(clean_env, capsy
     out = clean_env / "e"
     assert cli.main(["build", "--model", "tiny:llama", "--dtype", "fp16", "--for-cuda", "--custom-ops", "on",
                      "--out", str(out)]) == 0
-    assert f"compiling the CUDA libraries for sm_{gpu.arch}" in capsys.readouterr().err
+    assert f"compiling the ONNX Runtime ops library (enginesmith_ort_ops) for sm_{gpu.arch}" in capsys.readouterr().err
     assert ort_ops.available()
     assert ort_ops.library_path().parent.name == plugin_compile.cache_key((gpu.arch,))
     assert cli.main(["run", "--engine", str(out), "--device", "cuda", "--raw", "hello", "--max-tokens", "8"]) == 0

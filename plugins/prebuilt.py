@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -106,11 +107,21 @@ def checked_folder(folder: Path, archs: tuple[str, ...], names: tuple[str, ...])
         if not lib.is_file():
             raise UserError(f"{folder} holds no {lib.name} ({plugin_compile.DESCRIPTIONS[name]})",
                             f"build its target {plugin_compile.TARGETS[name]} there, or unset {FROM_ENV}")
-        newer = [p for p in sources if p.stat().st_mtime > lib.stat().st_mtime]
-        if newer:
-            raise UserError(f"{lib} is older than {len(newer)} of its sources (e.g. {newer[0].name})",
-                            f"rebuild it (cmake --build {folder}), or unset {FROM_ENV}")
+        if sources and _out_of_date(folder, lib, plugin_compile.TARGETS[name], sources):
+            raise UserError(f"{lib} is out of date with its sources",
+                            f"rebuild it (cmake --build {folder} --target {plugin_compile.TARGETS[name]}), "
+                            f"or unset {FROM_ENV}")
     return folder, {"from": str(folder), "nvcc": nvcc}
+
+
+def _out_of_date(folder: Path, lib: Path, target: str, sources: list[Path]) -> bool:
+    """Whether `lib` of CMake build folder `folder` would be rebuilt: ninja's dry run where ninja built
+    it (it knows each target's own sources), else any source newer than the library."""
+    ninja = plugin_compile.find_ninja()
+    if ninja and (folder / "build.ninja").is_file():
+        proc = subprocess.run([ninja, "-C", str(folder), "-n", target], capture_output=True, text=True, timeout=300)
+        return proc.returncode != 0 or "no work to do" not in proc.stdout
+    return any(p.stat().st_mtime > lib.stat().st_mtime for p in sources)
 
 
 def _cmake_value(cache: str, name: str) -> str:

@@ -3,9 +3,9 @@ $ENGINESMITH_KERNEL_ARCHS, binary: the compiled libraries in enginesmith/plugins
 meta.json (setup.py's hook, plugins/prebuilt.py), found once installed with origin "wheel".
 
 Wheels are built by pip from a copy of the checkout, installed with pip into a folder, and used by
-processes that see that folder, not the checkout. The binary wheel takes the libraries this session
-already compiled (the ort_ops_lib fixture's build folder, one arch, with the kernels target added to
-it, which reuses its paged-attention objects) through $ENGINESMITH_PREBUILT_FROM: no second compile.
+processes that see that folder, not the checkout. The binary wheel takes the libraries the tests
+already compiled (tests/plugin_build.py's shared build folder, one arch: the ops, and the kernels,
+which reuse the ops' paged-attention objects) through $ENGINESMITH_PREBUILT_FROM: no second compile.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.plugins import compile as plugin_compile
 from enginesmith.plugins import prebuilt
 from external import missing
+from plugin_build import compile_targets
 
 REPO = Path(__file__).resolve().parents[1]
 LIBS = (plugin_compile.LIBRARIES["ort_ops"], plugin_compile.LIBRARIES["kernels"])
@@ -114,17 +115,18 @@ def test_a_bad_prebuilt_folder_fails_the_wheel_in_one_line(tmp_path):
 # ----------------------------------------------------------------------------- the binary wheel, really compiled
 
 @pytest.fixture(scope="module")
-def compiled_build(ort_ops_lib) -> Path:
-    """A CMake build folder of these sources holding both libraries for one arch: the session's ops
-    build (or $ENGINESMITH_PLUGINS_BUILD) with the kernels target built into it (run_cmake's targets)."""
+def compiled_build(request, ort_ops_lib) -> Path:
+    """A CMake build folder of these sources holding both libraries for one arch: the session's shared
+    build (tests/plugin_build.py) with the kernels target added (it reuses the ops' paged-attention
+    objects), or $ENGINESMITH_PLUGINS_BUILD when it holds both."""
     folder = ort_ops_lib.parent
-    if not (folder / LIBS[1]).is_file():
-        if not (folder / "CMakeCache.txt").is_file():
-            missing(f"{ort_ops_lib} is not in a CMake build folder this test can add the kernels to",
-                    "set ENGINESMITH_PLUGINS_BUILD to a build folder of both libraries")
-        archs = tuple(plugin_compile.build_dir_archs(ort_ops_lib).split(";"))
-        print(f"compiling the kernels library for sm {';'.join(archs)} into {folder}", file=sys.stderr)
-        plugin_compile.run_cmake(folder, archs, targets=["enginesmith_kernels"])
+    if all((folder / lib).is_file() for lib in LIBS) and (folder / "CMakeCache.txt").is_file():
+        return folder
+    if os.environ.get("ENGINESMITH_ORT_OPS_LIB") or os.environ.get(plugin_compile.BUILD_ENV):
+        missing(f"{folder} is not a CMake build folder of both libraries (named by the environment)",
+                "point ENGINESMITH_PLUGINS_BUILD at a build folder of both libraries, or unset the variables")
+    built = compile_targets(request.config, ("enginesmith_kernels",), what="the kernels library")
+    assert built == folder, (built, folder)
     return folder
 
 
@@ -280,7 +282,7 @@ def test_the_hook_stages_a_checked_build_folder(cmake_folder, tmp_path, monkeypa
     ("archs", "was compiled for 90, ENGINESMITH_KERNEL_ARCHS asks for 80;90"),
     ("no kernels", "holds no libenginesmith_kernels.so"),
     ("other sources", "was compiled from other sources than these"),
-    ("stale", "is older than"),
+    ("stale", "is out of date with its sources"),
     ("bad arch", "ENGINESMITH_KERNEL_ARCHS='75' is not a list of CUDA archs the kernels support"),
 ])
 def test_the_hook_refuses_a_build_folder_that_does_not_fit(cmake_folder, tmp_path, monkeypatch, change, words):

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The binary wheel on the GPU machine (issue 27, goal 2): built from libraries already compiled,
+# installed into a fresh venv with no nvcc on PATH, then doctor, an engine with our ops, and bench.
+#
+#   bash benchmarks/device/wheel_check.sh [LIBS]          (repository root; verify.sh's phase "wheel" runs it)
+#
+# LIBS: the compiled libraries (default $ENGINESMITH_PLUGINS_BUILD): a CMake build folder, a cache entry
+# (meta.json), or verify.sh's carried libraries (verify_libs.json). Needs staging as for verify.sh
+# (onnxruntime-gpu in /tmp/site on PYTHONPATH; torch in the system's site-packages). MODEL: the engine's
+# model (default random:llama-3.2-1b; MODEL=tiny:llama for a quick try). Writes $OUT/wheel_check.log,
+# doctor.json, bench.json; the exit status is the number of failed steps.
+set -uo pipefail
+REPO="$(pwd)"
+OUT="${OUT:-/tmp/wheel_check_out}"
+W=/tmp/wheel_check
+LIBS="${1:-${ENGINESMITH_PLUGINS_BUILD:-}}"
+MODEL="${MODEL:-random:llama-3.2-1b}"
+rm -rf "$W" && mkdir -p "$W/pythonpath" "$OUT"
+exec > >(tee "$OUT/wheel_check.log") 2>&1
+failed=0
+step() {  # step NAME CMD...: run and time one step; a failure is counted and the script goes on
+    local name="$1" t0=$SECONDS; shift
+    echo "=== $name: $*"
+    "$@"; local rc=$?
+    echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+    return "$rc"
+}
+if [ ! -f "$LIBS/libenginesmith_ort_ops.so" ] || [ ! -f "$LIBS/libenginesmith_kernels.so" ]; then
+    echo "wheel_check: no compiled libraries in '${LIBS}' (pass a folder, or set ENGINESMITH_PLUGINS_BUILD)"; exit 2
+fi
+FROM="$LIBS"
+if [ ! -f "$LIBS/CMakeCache.txt" ] && [ ! -f "$LIBS/meta.json" ]; then  # carried: make the meta.json the hook checks
+    FROM="$W/from" && mkdir -p "$FROM" && cp "$LIBS"/libenginesmith_{ort_ops,kernels}.so "$FROM/"
+    python3 -c "import json, sys; m = json.load(open(sys.argv[1])); json.dump({'archs': [m['arch']],
+        'sources_sha256': m['sources_sha256'], 'libraries': m['libraries']}, open(sys.argv[2], 'w'))" \
+        "$LIBS/verify_libs.json" "$FROM/meta.json" || exit 2
+fi
+ARCHS=$(python3 -P -c "import json, re, sys, pathlib; f = pathlib.Path(sys.argv[1])
+c = f / 'CMakeCache.txt'
+print(re.search(r'^CMAKE_CUDA_ARCHITECTURES:\w+=(.*)$', c.read_text(), re.M).group(1) if c.is_file()
+      else ';'.join(json.load(open(f / 'meta.json'))['archs']))" "$FROM")
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
+echo "libraries from $LIBS, archs $ARCHS"
+
+cd "$W"  # away from the checkout: its enginesmith/ must not be imported
+step wheel env -u TENSORRT_ROOT ENGINESMITH_KERNEL_ARCHS="$ARCHS" ENGINESMITH_PREBUILT_FROM="$FROM" \
+    python3 -m pip wheel -q --no-deps --no-build-isolation "$REPO" -w "$W/dist" || exit 1
+WHEEL=$(ls "$W"/dist/enginesmith-*.whl)
+python3 -m zipfile -l "$WHEEL" | grep prebuilt/
+step venv python3 -m venv --system-site-packages "$W/venv" || exit 1
+step install "$W/venv/bin/pip" install -q --no-deps "$WHEEL" || exit 1
+# The staged packages (onnxruntime-gpu ...) without the enginesmith that verify.sh installed there; PATH
+# without nvcc (and without /tmp/site/bin's cmake and ninja); an empty cache, which must stay empty.
+for p in /tmp/site/*; do case "$(basename "$p")" in enginesmith*|bin) ;; *) ln -s "$p" "$W/pythonpath/" ;; esac; done
+NOCUDA=$(echo "$PATH" | tr ':' '\n' | while read -r d; do [ -x "$d/nvcc" ] || [ "$d" = /tmp/site/bin ] || echo "$d"; done | paste -sd:)
+export PATH="$W/venv/bin:$NOCUDA" PYTHONPATH="$W/pythonpath" ENGINESMITH_CACHE="$W/cache"
+unset CUDACXX ENGINESMITH_PLUGINS_BUILD ENGINESMITH_ORT_OPS_LIB ENGINESMITH_KERNELS_LIB
+echo "nvcc on PATH: $(command -v nvcc || echo none)"
+step doctor enginesmith doctor
+enginesmith doctor --json > "$OUT/doctor.json"
+step origin python3 -c "import json, sys; c = {k['name']: k for k in json.load(open(sys.argv[1]))['checks']}
+o = {n: c[n]['details'].get('origin') for n in ('ops library', 'kernels library')}; print(o)
+assert set(o.values()) == {'wheel'}, 'not the wheel libraries'" "$OUT/doctor.json"
+step build enginesmith build --model "$MODEL" --dtype fp16 --for-cuda --custom-ops on --custom-attention \
+    --capacity 1024 --out "$W/e"
+step bench enginesmith bench --engine "$W/e" --device cuda --prompt-tokens 128 --new-tokens 128 --repeats 3 \
+    --json > "$OUT/bench.json" && cat "$OUT/bench.json"
+step nothing-compiled bash -c "! ls '$W/cache/kernels' 2>/dev/null | grep -q ."
+echo "=== failed steps: $failed"
+exit "$failed"

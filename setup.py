@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 try:
@@ -40,7 +40,7 @@ class BuildPyWithKernels(build_py):
 
     def run(self):
         super().run()
-        if not os.environ.get("ENGINESMITH_KERNEL_ARCHS", "").strip():
+        if not _binary():
             return
         if self.editable_mode:
             print("enginesmith: an editable install compiles nothing ($ENGINESMITH_KERNEL_ARCHS ignored); "
@@ -55,18 +55,25 @@ class BuildPyWithKernels(build_py):
             raise SystemExit(f"error: {exc}") from None
 
 
-class BdistWheelForPlatform(bdist_wheel):
-    """With compiled libraries inside, the wheel is for this platform (py3-none-linux_x86_64: the
-    libraries use no Python ABI), not py3-none-any."""
+def _binary() -> bool:
+    return bool(os.environ.get("ENGINESMITH_KERNEL_ARCHS", "").strip())
 
-    def finalize_options(self):
-        super().finalize_options()
-        if os.environ.get("ENGINESMITH_KERNEL_ARCHS", "").strip():
-            self.root_is_pure = False
+
+class DistributionWithKernels(Distribution):
+    """With compiled libraries inside, the package is platform-specific (installed into platlib)."""
+
+    def has_ext_modules(self):
+        return _binary() or super().has_ext_modules()
+
+
+class BdistWheelForPlatform(bdist_wheel):
+    """With compiled libraries inside, the wheel is for this platform: py3-none-linux_x86_64 (the
+    libraries use no Python ABI), not py3-none-any."""
 
     def get_tag(self):
         python, abi, plat = super().get_tag()
         return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
 
 
-setup(cmdclass={"build_py": BuildPyWithKernels, "bdist_wheel": BdistWheelForPlatform})
+setup(distclass=DistributionWithKernels,
+      cmdclass={"build_py": BuildPyWithKernels, "bdist_wheel": BdistWheelForPlatform})

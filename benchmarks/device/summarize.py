@@ -159,6 +159,9 @@ def figures(state: Path, steps: dict) -> list[dict]:
                 row(f"KV {fmt} decode step, {layout}, context {r['context']}, batch {r['batch']}", "kvquant.decode",
                     r[fmt]["step_ms"], r["fp16"]["step_ms"], "fp16 KV", unit="ms/step",
                     ratio=r["fp16"]["step_ms"] / r[fmt]["step_ms"], note="ratio = speedup over fp16 KV")
+    wheel = _load(fig / "wheel" / "bench.json") or {}
+    row("binary wheel in a fresh venv, no nvcc: bench --device cuda decode", "wheel.check",
+        (wheel.get("enginesmith") or {}).get("decode_tok_s"), note=wheel.get("model"))
     return rows
 
 

@@ -285,6 +285,7 @@ engines_lane_kvquant() {  # the same engines kv_quant_bench.py builds for KV_ARG
 for layout in ('paged', 'dense'): print(k.engines('$MODEL', 32768 + 30 + 64, 8, layout))"
 }
 engines_phase() {
+    [ "${1:-}" = beside ] && renice -n 10 -p "$BASHPID" > /dev/null   # the tests first
     engines_lane_decode > "$V/logs/lane_decode.txt" 2>&1 &
     local a=$!
     engines_lane_serving > "$V/logs/lane_serving.txt" 2>&1 &
@@ -302,13 +303,13 @@ tests_phase() {
     # from tests/ with -P: the installed package, not the checkout's enginesmith/ (device README)
     # shellcheck disable=SC2086  # VERIFY_TESTS: a list of paths
     ( cd "$REPO/tests" && step -o "$OUT/tests.log" tests pytest "${VERIFY_TESTS_LIMIT:-480}" \
-        env PYTHONPATH="/tmp/site:$REPO" python3 -P -m pytest "${args[@]}" ${VERIFY_TESTS:-.} )
+        env -u ENGINESMITH_CACHE PYTHONPATH="/tmp/site:$REPO" python3 -P -m pytest "${args[@]}" ${VERIFY_TESTS:-.} )
 }
 ENGINES_PID=""
 if wants tests; then
     if wants engines; then
         echo "verify: engine builds run beside the tests (CPU work)"
-        engines_phase > "$V/logs/engines_beside_tests.txt" 2>&1 &
+        engines_phase beside > "$V/logs/engines_beside_tests.txt" 2>&1 &
         ENGINES_PID=$!
     fi
     tests_phase
@@ -323,7 +324,8 @@ fi
 # ------------------------------------------------------------------------------------------ wheel
 if wants wheel; then
     if [ -f "$REPO/benchmarks/device/wheel_check.sh" ]; then
-        step wheel check 420 env OUT="$F/wheel" bash "$REPO/benchmarks/device/wheel_check.sh"
+        step wheel check 420 env -C "$REPO" OUT="$F/wheel" bash benchmarks/device/wheel_check.sh \
+            "${ENGINESMITH_PLUGINS_BUILD:-}"
     else
         missing wheel check "benchmarks/device/wheel_check.sh is not in this tree"
     fi

@@ -328,6 +328,19 @@ def test_doctor_reports_this_machine_and_exits_0(capsys, monkeypatch, tmp_path):
     assert "ONNX Runtime" in text and "fix: build it there" in text
 
 
+def test_doctor_without_a_gpu_asks_for_no_compile(clean_env, monkeypatch, capsys):
+    """Nothing built on a machine without a GPU is fine (--device cpu needs no library): an info line
+    each, no fix, and no `plugins build --arch 90` offered as if it were needed."""
+    monkeypatch.setattr(plugin_compile, "detect_gpu", lambda: None)
+    assert cli.main(["doctor", "--json"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    for label in ("ops library", "kernels library", "TensorRT plugins"):
+        assert checks[label]["status"] == "info" and checks[label]["fix"] == "", checks[label]
+        assert "--device cpu needs none" in checks[label]["value"]
+    assert cli.main(["doctor"]) == 0
+    assert "--arch 90" not in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- build --for-cuda knobs
 
 @pytest.mark.parametrize("extra, word", [

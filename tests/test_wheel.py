@@ -92,14 +92,20 @@ def test_the_wheel_ships_every_source_cmake_builds_from(wheel, tmp_path):
 
 
 def test_an_editable_install_compiles_nothing(tmp_path):
-    """$ENGINESMITH_KERNEL_ARCHS is ignored by `pip install -e`: the hook would refuse this
-    $ENGINESMITH_PREBUILT_FROM, so the install passing shows that it did not run."""
+    """$ENGINESMITH_KERNEL_ARCHS is ignored by an editable install: the hook would refuse this
+    $ENGINESMITH_PREBUILT_FROM, so the editable wheel being made shows that it did not run. (The
+    backend's build_editable, which `pip install -e` calls, run directly: pip would replace this
+    venv's own editable install, even with --prefix.)"""
     src = source_copy(tmp_path / "src")
-    env = {prebuilt.ARCHS_ENV: "90", prebuilt.FROM_ENV: str(tmp_path / "nothing-here")}
-    proc = pip("install", "-q", "--no-deps", "--no-build-isolation", "--prefix", str(tmp_path / "prefix"),
-               "-e", str(src), env=env)
+    code = "import sys; from setuptools import build_meta; print(build_meta.build_editable(sys.argv[1]))"
+    env = {**os.environ, prebuilt.ARCHS_ENV: "90", prebuilt.FROM_ENV: str(tmp_path / "nothing-here")}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True,
+                          cwd=str(src), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not list((tmp_path / "prefix").rglob("libenginesmith_*.so")) and not (src / "plugins" / "prebuilt").exists()
+    assert "an editable install compiles nothing" in proc.stdout
+    (whl,) = (tmp_path / "out").glob("enginesmith-*.whl")
+    assert not [n for n in zipfile.ZipFile(whl).namelist() if "prebuilt/" in n or n.endswith(".so")]
+    assert not (src / "plugins" / "prebuilt").exists() and not list(src.rglob("libenginesmith_*.so"))
 
 
 def test_a_bad_prebuilt_folder_fails_the_wheel_in_one_line(tmp_path):

@@ -23,8 +23,9 @@ Where a library is looked for, first hit wins (the older variables keep working 
     1. its own variable, a file: $ENGINESMITH_ORT_OPS_LIB, $ENGINESMITH_KERNELS_LIB
     2. $ENGINESMITH_PLUGINS_BUILD, a CMake build folder (made by hand or by `enginesmith plugins build`)
     3. plugins/build/ of a source checkout, if it holds the library (plugins/README.md's cmake commands)
-    4. plugins/prebuilt/ of a binary wheel, if compiled from these sources for an arch that runs on
-       this machine's GPU (on a machine without a GPU: when any compiled library will do)
+    4. plugins/prebuilt/ of a binary wheel, if compiled from these sources with SASS for this machine's
+       GPU (on a machine without a GPU: when any compiled library will do; a GPU the wheel has only
+       PTX for compiles natively on first use, or, with no nvcc there, the driver JIT-compiles the PTX)
     5. the cache entry for this machine's GPU (compiled there on first use)
 """
 
@@ -179,7 +180,7 @@ def locate(name: str, any_arch: bool = False) -> Located | None:
         return Located(CHECKOUT_BUILD_DIR / lib, "checkout")
     gpu = detect_gpu()
     shipped = wheel_library(name)
-    if shipped is not None and (arch_covers(shipped_archs(), gpu.arch) if gpu else any_arch):
+    if shipped is not None and (arch_covers(shipped_archs(), gpu.arch, ptx=False) if gpu else any_arch):
         return Located(shipped, "wheel")
     entries = _cache_entries((gpu.arch,)) if gpu else _cache_entries(None) if any_arch else []
     for entry in entries:
@@ -210,6 +211,9 @@ def ensure(name: str, progress: bool = True) -> Path:
         raise UserError(f"{what} is not built ({lib}) and no NVIDIA GPU was found to compile it for",
                         "run `enginesmith plugins build --arch 90` (the compute capability of the GPU it is for, "
                         "without the dot: 90 for H100/H200, 80 for A100), or set " + LIBRARY_ENV.get(name, BUILD_ENV))
+    shipped = wheel_library(name)
+    if shipped is not None and find_nvcc() is None and arch_covers(shipped_archs(), gpu.arch):
+        return shipped  # no compiler here, but the wheel has PTX the driver compiles at load
     entry = build_cached((gpu.arch,), names=(name,), progress=progress)
     return entry / lib
 

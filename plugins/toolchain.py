@@ -109,10 +109,11 @@ def tool_version(path: str | None, flag: str = "--version") -> str | None:
 
 # ----------------------------------------------------------------------------- archs
 
-def arch_covers(archs, arch: str) -> bool:
+def arch_covers(archs, arch: str, ptx: bool = True) -> bool:
     """Whether code compiled for the CMake arch list `archs` ("80-real", "90", "90a", "90-virtual"
     items) runs on sm_<arch>: SASS of the same major and an older or equal minor (sm_80 runs on
-    sm_86), or PTX of an older arch that the driver compiles at load; "90a" code runs on sm_90 only."""
+    sm_86), or, with `ptx`, PTX of an older arch that the driver compiles at load; "90a" code runs on
+    sm_90 only."""
     m = re.fullmatch(r"(\d+)(\d)a?", arch)
     if not m:
         return False
@@ -127,7 +128,7 @@ def arch_covers(archs, arch: str) -> bool:
                 return True
             continue
         sass = kind != "-virtual" and c_major == major and c_minor <= minor
-        ptx = kind != "-real" and (c_major, c_minor) <= (major, minor)
-        if sass or ptx:
+        jit = ptx and kind != "-real" and (c_major, c_minor) <= (major, minor)
+        if sass or jit:
             return True
     return False

@@ -222,12 +222,20 @@ def _gpu(monkeypatch, arch: str | None) -> None:
     monkeypatch.setattr(plugin_compile, "detect_gpu", lambda: gpu)
 
 
-@pytest.mark.parametrize("arch, origin", [("90", "wheel"), ("100", "wheel"),  # sm_90's PTX runs on newer GPUs
-                                          ("86", "cache"), ("80", "cache")])
-def test_the_wheels_library_counts_for_a_gpu_its_archs_run_on(fake_wheel, monkeypatch, arch, origin):
+@pytest.mark.parametrize("arch, origin", [("90", "wheel"), ("100", "cache"), ("86", "cache"), ("80", "cache")])
+def test_the_wheels_library_counts_for_a_gpu_it_has_sass_for(fake_wheel, monkeypatch, arch, origin):
     _gpu(monkeypatch, arch)
     where = plugin_compile.locate("ort_ops")
     assert where.origin == origin and where.built == (origin == "wheel")  # cache: compiled there on first use
+
+
+def test_without_nvcc_a_newer_gpu_takes_the_wheels_ptx_an_older_one_cannot(fake_wheel, monkeypatch):
+    monkeypatch.setattr(plugin_compile, "find_nvcc", lambda: None)
+    _gpu(monkeypatch, "100")  # sm_90's PTX: the driver compiles it for sm_100 at load
+    assert plugin_compile.ensure("kernels") == fake_wheel / LIBS[1]
+    _gpu(monkeypatch, "86")   # neither SASS nor PTX for sm_86 (90 > 86), and nothing to compile with
+    with pytest.raises(plugin_compile.CompileError, match="nvcc .* is not found"):
+        plugin_compile.ensure("kernels")
 
 
 def test_the_wheels_library_after_the_variables_and_only_from_these_sources(fake_wheel, monkeypatch, tmp_path):

@@ -98,6 +98,8 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
     step("http.fp16", status="timeout", seconds=300)
     step("kvquant.decode", status="cut", seconds=0)
     (out / "tests.log").write_text(XDIST_LOG)
+    (state / "state" / "calls.jsonl").write_text('{"phases": " setup build tests", "seconds": 480}\n'
+                                                 '{"phases": " decode", "seconds": 300}\n')
     (fig / "ninja_log_full.txt").write_text(NINJA_LOG)
     bound = {"fraction_of_bound": 0.64, "tok_s_bound": 1712.0}
     (fig / "decode_fp16.json").write_text(json.dumps({"enginesmith": {"decode_tok_s": 1099.0}, "bound": bound}))
@@ -125,7 +127,8 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     md = (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["card"].startswith("NVIDIA H200")
     assert md.count("NVIDIA H200") >= 5  # every table names the card
-    assert r["device_seconds"] == 20 + 55 + 330 + 3 * 10 + 300
+    assert r["device_seconds"] == 780 and "480 s for setup build tests" in md
+    assert r["phases"]["decode"]["seconds"] == 30
     assert r["phases"]["tests"]["not_ok"] == 1
     assert r["tests"]["failed_ids"] == ["test_ort_cuda.py::test_param[2]"]
     assert r["compile"]["full"]["wall_s"] == 55 and r["compile"]["full"]["cpu_s"] > 10
@@ -158,3 +161,15 @@ def test_summary_of_an_empty_machine(tmp_path):
 
 def test_verify_sh_parses():
     subprocess.run(["bash", "-n", str(REPO / "benchmarks/device/verify.sh")], check=True)
+
+
+def test_json_after_printed_lines(tmp_path):
+    """A CLI's stdout may carry a notice before its JSON: the last one-line object is taken."""
+    f = tmp_path / "decode_fp16.json"
+    f.write_text('Building the engine once\n{"enginesmith": {"decode_tok_s": 5.0}}\n\n')
+    assert summarize._load(f) == {"enginesmith": {"decode_tok_s": 5.0}}
+    f.write_text("Traceback (most recent call last):\n  boom\n")
+    assert summarize._load(f) is None
+    g = tmp_path / "x.jsonl"
+    g.write_text('{"a": 1}\nnot json\n{"a": 2\n{"a": 3}\n')
+    assert summarize._load(g) == [{"a": 1}, {"a": 3}]

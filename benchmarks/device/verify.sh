@@ -94,7 +94,7 @@ done_before() {  # whether --resume may skip step ID
     [ "$RESUME" = 1 ] && [ -f "$st" ] || return 1
     grep -q '"status": "ok"' "$st" && return 0
     [ "${VERIFY_RETRY:-0}" = 1 ] && return 1
-    grep -q '"status": "\(failed\|timeout\|missing\)"' "$st"
+    grep -q '"status": "\(failed\|timeout\)"' "$st"   # missing: looked at again (an engine may exist now)
 }
 
 step() {  # step [-o FILE] PHASE NAME LIMIT_S CMD...: run CMD (its own process group, killed whole on
@@ -304,6 +304,7 @@ tests_phase() {
     # shellcheck disable=SC2086  # VERIFY_TESTS: a list of paths
     ( cd "$REPO/tests" && step -o "$OUT/tests.log" tests pytest "${VERIFY_TESTS_LIMIT:-480}" \
         env -u ENGINESMITH_CACHE PYTHONPATH="/tmp/site:$REPO" python3 -P -m pytest "${args[@]}" ${VERIFY_TESTS:-.} )
+    cp "$OUT/tests.log" "$V/tests.log" 2>/dev/null   # $OUT is a new folder each call: later summaries read this copy
 }
 ENGINES_PID=""
 if wants tests; then
@@ -392,9 +393,11 @@ if wants http; then      # enginesmith serve over HTTP (bench serve, one client 
 fi
 
 # ------------------------------------------------------------------------------------------ summary
+echo "{\"phases\": \"$RUN\", \"budget_s\": $BUDGET, \"seconds\": $SECONDS, \"ended\": \"$(date -u +%FT%TZ)\"}" \
+    >> "$V/state/calls.jsonl"
 python3 -P "$REPO/benchmarks/device/summarize.py" --state "$V" --out "$OUT" --gpu "$V/gpu.txt" \
     || echo "verify: summarize.py failed; the raw state is in figures.tar.gz"
-tar czf "$OUT/figures.tar.gz" -C "$V" figures logs state gpu.txt env.sh setup_check.json 2>/dev/null
+tar czf "$OUT/figures.tar.gz" -C "$V" figures logs state gpu.txt env.sh setup_check.json tests.log 2>/dev/null
 failed=$(grep -L '"status": "ok"' "$V"/state/steps/*.json 2>/dev/null | wc -l)
 echo "verify: $failed step(s) not ok; summary in $OUT/summary.md"
 [ "$failed" -eq 0 ]

@@ -8,9 +8,11 @@ One `step()` (vLLM v1's scheduler, scaled down: one token budget, no separate pr
     running requests, in arrival order ── each gets min(remaining, chunk, budget) new tokens
         │  (decode: 1; a prompt: chunks of `chunk`); out of pages -> preempt the newest running
         │  request (free its pages, back to the front of the queue, recomputed later)
-    waiting requests ── admitted while rows, budget and pages last (admission by free pages: a
-        │  request that does not fit waits; one that never could is refused when added); a prefix
-        │  hit skips the cached full blocks of the prompt
+    waiting requests ── admitted while rows, budget and pages last: admission by the pages a request
+        │  needs (prompt + min(max_new_tokens, reserve_new_tokens)), counted against the free pages
+        │  less what the running requests may still take, so the admitted ones finish without
+        │  preemption; one that does not fit waits, one that never could is refused when added; a
+        │  prefix hit skips the cached full blocks of the prompt
     one forward (`PagedModel.run`): rows right-padded to S; context_lens = computed + S; pads
         │  write slot -1; the model samples one token for each row whose prompt is all computed,
         ▼  with that request's sampling parameters (on the device for the CUDA engine)
@@ -46,8 +48,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -95,9 +97,10 @@ class SchedulerConfig:
     max_tokens: int = 256   # new tokens per step, all rows together
     chunk: int = 64         # new tokens per row per step (prefill chunks); capped by the model's max_chunk
     async_steps: bool | None = None  # schedule step n+1 while step n runs; None: the model's `async_steps`
+    reserve_new_tokens: int = 1024  # output tokens of a request whose pages are reserved at admission
 
     def __post_init__(self):
-        for name in ("max_batch", "max_tokens", "chunk"):
+        for name in ("max_batch", "max_tokens", "chunk", "reserve_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"scheduler {name}={getattr(self, name)!r} must be a positive integer",
                                 f"give {name} >= 1")
@@ -208,6 +211,7 @@ class ContinuousBatcher:
         self.pipeline = StepPipeline(model, self.async_steps)
         self._inflight: _Step | None = None  # launched, tokens not back yet
         self._ready: _Step | None = None     # tokens back, not processed yet
+        self.solo: Request | None = None     # when set, steps schedule this request alone (see recover())
 
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, stop_strings: Sequence[str] = ()) -> None:
         """UserError for a request this batcher could never run (reads only fixed settings: any thread)."""
@@ -288,6 +292,8 @@ class ContinuousBatcher:
 
     def _finish(self, req: Request, reason: str, stop=None) -> None:
         req.finish_reason, req.stop_reason, req.finished_at = reason, stop, time.perf_counter()
+        if req is self.solo:
+            self.solo = None
         if req.request_id in self.manager.seqs:
             if self._inflight is not None and req in self._inflight.members:
                 self._inflight.free_after.append(req.request_id)  # the step in flight still writes its pages
@@ -320,6 +326,17 @@ class ContinuousBatcher:
         self.running.remove(victim)
         self.waiting.appendleft(victim)
 
+    def recover(self) -> list[str]:
+        """After step() raised (the engine failed): nothing stays in flight, and every running request
+        gives its pages back and waits to be recomputed from its tokens so far (as if preempted).
+        Returns their ids, in arrival order: the requests the failed step may have run. A caller that
+        sets `solo` to one of them then steps it alone (the others wait) to find the one at fault."""
+        self._inflight = self._ready = None
+        suspects = [req.request_id for req in self.running]
+        for req in reversed(list(self.running)):
+            self._preempt(req)
+        return suspects
+
     def _pending(self, req: Request) -> int:
         """Tokens of `req` sampled by the step in flight, not yet in req.tokens (0 or 1)."""
         return int(self._inflight is not None and req in self._inflight.sampling)
@@ -332,6 +349,8 @@ class ContinuousBatcher:
         for req in list(self.running):
             if req in victims or len(rows) == cfg.max_batch or budget == 0:
                 continue  # preempted meanwhile, or no room left this step
+            if self.solo is not None and req is not self.solo:
+                continue  # isolating a request after a failed step: it runs alone
             pending = self._pending(req)
             if pending and len(req.output) + pending >= req.max_new_tokens:
                 continue  # its token in flight is its last: it finishes when that step is processed
@@ -352,9 +371,18 @@ class ContinuousBatcher:
             counts.append(n)
             copies += blocks.copies
             budget -= n
+        reserved = sum(self._outstanding(req) for req in self.running)  # pages the running may still take
+        if self.solo is not None and self.solo in self.waiting:
+            self.waiting.remove(self.solo)
+            self.waiting.appendleft(self.solo)
         while self.waiting and not preempted and len(rows) < cfg.max_batch and budget > 0:
             req = self.waiting[0]
+            if self.solo is not None and (req is not self.solo or rows):
+                break
             hits, hit_tokens = self.manager.get_computed_blocks(req.tokens)
+            taken = sum(1 for b in hits if b.ref_cnt == 0)  # cached blocks in the free queue: taken from it
+            if self._pages_needed(req) - len(hits) + taken + reserved > self.manager.num_free_blocks:
+                break  # wait until what it needs is free: admitted requests then finish without preemption
             n = min(len(req.tokens) - hit_tokens, self.chunk, budget)
             blocks = self.manager.allocate_slots(req.request_id, n, hits)
             if blocks is None:
@@ -366,7 +394,18 @@ class ContinuousBatcher:
             counts.append(n)
             copies += blocks.copies
             budget -= n
+            reserved += self._outstanding(req)
         return rows, counts, copies, preempted
+
+    def _pages_needed(self, req: Request) -> int:
+        """Pages `req` holds once it has its prompt and its reserved output tokens."""
+        reserve = min(req.max_new_tokens, self.config.reserve_new_tokens)
+        tokens = max(len(req.prompt) + reserve, len(req.tokens) + 1)
+        return -(-tokens // self.manager.block_size)
+
+    def _outstanding(self, req: Request) -> int:
+        """Pages a running request may still take before its reservation is used up."""
+        return max(0, self._pages_needed(req) - len(self.manager.block_ids(req.request_id)))
 
     # ------------------------------------------------------------------ one step
 
@@ -506,39 +545,3 @@ class ContinuousBatcher:
         text = self.decode(req.output[-(max(len(s) for s in req.stop_strings) + 8):])
         hits = [(text.find(s), s) for s in req.stop_strings if s in text]
         return min(hits)[1] if hits else None
-
-
-def batched_ids(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None,
-                max_batch: int = 64) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """generate.generate_ids over a PagedModel: the prompts run as requests of one batcher, and
-    token i of every row is yielded once all rows have it (finished rows repeat their last token,
-    flagged finished). Row r's sampling seed is seed + r (rows with equal prompts differ)."""
-    sampling = sampling or SamplingParams()
-    batcher = ContinuousBatcher(model, SchedulerConfig(max_batch=min(max_batch, len(prompts)), max_tokens=2048,
-                                                       chunk=model.max_chunk or 256))
-    rows = [batcher.add_request(p, max_new_tokens, stop_token_ids,
-                                replace(sampling, seed=None if sampling.seed is None else sampling.seed + r))
-            for r, p in enumerate(prompts)]
-    try:
-        yield from _lockstep(batcher, rows, max_new_tokens)
-    finally:
-        batcher.close()  # a step still in flight (async) ends with the generator
-
-
-def _lockstep(batcher: ContinuousBatcher, rows: list[str], max_new_tokens: int
-              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    emitted = 0
-    while True:
-        reqs = [batcher.request(rid) for rid in rows]
-        ready = min(len(r.output) if r.finish_reason is None else max_new_tokens for r in reqs)
-        while emitted < min(ready, max_new_tokens):
-            ids = np.array([r.output[min(emitted, len(r.output) - 1)] for r in reqs], np.int64)
-            finished = np.array([emitted >= len(r.output) for r in reqs])
-            yield ids, finished
-            emitted += 1
-            if all(r.finish_reason is not None and emitted >= len(r.output) for r in reqs):
-                return
-        if emitted >= max_new_tokens or not batcher.has_unfinished:
-            return
-        batcher.step()

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.batching import batched_ids
+from enginesmith.runtime.lockstep import batched_ids
 from enginesmith.runtime.protocols import Engine, KVCache
 from enginesmith.runtime.sampling import SamplingParams, sample
 

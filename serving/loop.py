@@ -13,6 +13,11 @@ Admission: a request that can never fit (empty, too long for the engine or the p
 raises Overloaded (the caller's 429/503 with Retry-After): no unbounded queue. `drain()` stops
 taking requests and waits until those in flight end (SIGTERM); `close()` cancels what is left.
 
+A step that raises (the engine failed) ends only the request at fault, when one can be found: every
+request of the failed step is recomputed (batcher.recover), and if there were several, each runs alone
+(batcher.solo) until it has made one more token; one that fails alone ends with ("error", message),
+the others go on. A failure that no single request reproduces costs one solo round, then batching resumes.
+
 The batcher is touched only by the loop thread (with async steps the engine's step runs beside it:
 runtime/step_pipeline.py; a step is published once its tokens are back, and close() waits for the
 step in flight). `stats()` is a consistent snapshot for /metrics:
@@ -22,6 +27,7 @@ inter-token-latency observations (histograms in serving/metrics.py).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -92,6 +98,7 @@ class BatcherLoop:
         self._last_token: dict[str, float] = {}
         self._ids = itertools.count()
         self._accepting = True
+        self._suspects: collections.deque[str] = collections.deque()  # to run alone after a failed step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="enginesmith-batcher", daemon=True)
         self._thread.start()
@@ -170,10 +177,11 @@ class BatcherLoop:
                     continue
                 try:
                     out = self.batcher.step()
-                except Exception as exc:  # an engine failure ends every request in flight, not the server
-                    self._fail_all(f"the engine failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                except Exception as exc:  # an engine failure ends the request at fault, not the server
+                    self._isolate(f"the engine failed: {type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:300]}")
                     continue
                 self._publish(out)
+                self._clear_solo(out)
         finally:
             self.batcher.close()  # with async steps: the step in flight ends, and the worker thread
 
@@ -234,6 +242,44 @@ class BatcherLoop:
             s.generated_tokens += len(out.new_tokens)
             s.ttft_s += ttft
             s.itl_s += itl
+
+    def _isolate(self, message: str) -> None:
+        """After a failed step: the request at fault ends with `message`; the others are recomputed."""
+        culprit = self.batcher.solo
+        suspects = self.batcher.recover()
+        if culprit is not None or len(suspects) == 1:  # it failed alone
+            self._fail_one(culprit.request_id if culprit is not None else suspects[0], message)
+        elif suspects:
+            self._suspects.extend(rid for rid in suspects if rid not in self._suspects)
+        else:  # nothing was running (cannot happen: a step runs requests); end what waits, keep serving
+            self._fail_all(message)
+            return
+        self._next_solo()
+
+    def _clear_solo(self, out) -> None:
+        """A request run alone that made a token (or ended) is not at fault: the next suspect runs alone."""
+        solo = self.batcher.solo
+        if (solo is None and self._suspects) or (solo is not None and solo.request_id in out.new_tokens):
+            self._next_solo()
+
+    def _next_solo(self) -> None:
+        b = self.batcher
+        b.solo = None
+        while self._suspects and b.solo is None:
+            rid = self._suspects.popleft()
+            try:
+                req = b.request(rid)
+            except KeyError:
+                continue
+            if req.finish_reason is None and rid in self._handles:
+                b.solo = req
+
+    def _fail_one(self, rid: str, message: str) -> None:
+        handle = self._handles.pop(rid, None)
+        if handle is not None:
+            handle.put(("error", message))
+        self._last_token.pop(rid, None)
+        self.batcher.cancel(rid)  # its finish at the next step is not published (no handle)
 
     def _fail_all(self, message: str) -> None:
         for rid, handle in list(self._handles.items()):

@@ -88,9 +88,11 @@ def test_prefix_sharing_and_preemption_keep_outputs_exact(async_steps, engines):
     system = rng.integers(0, VOCAB, 13).tolist()             # 3 full pages of 4 shared
     prompts = [system + rng.integers(0, VOCAB, n).tolist() for n in (2, 5, 1, 9)] + [rng.integers(0, VOCAB, 6).tolist()]
     budgets = [12, 10, 14, 9, 12]
-    # 12 usable pages of 4 tokens: not enough for everything at once -> preemption (recompute).
+    # 12 usable pages of 4 tokens: not enough for everything at once; one output token reserved at admission,
+    # so requests grow past their reservation -> preemption (recompute).
     batcher = ContinuousBatcher(OrtPagedModel(paged_engine, 13),
-                                config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32, async_steps=async_steps))
+                                config=SchedulerConfig(max_batch=4, max_tokens=32, chunk=32, async_steps=async_steps,
+                                                       reserve_new_tokens=1))
     ids = [batcher.add_request(p, m) for p, m in zip(prompts, budgets)]
     steps = run_checked(batcher)
     requests = [batcher.finished[r] for r in ids]
@@ -137,8 +139,9 @@ def letters(ids) -> str:
 
 def random_load(model, async_steps: bool, cancel_at: dict) -> tuple[ContinuousBatcher, list[str], list]:
     rng = np.random.default_rng(3)
-    batcher = ContinuousBatcher(model, SchedulerConfig(max_batch=5, max_tokens=24, chunk=8, async_steps=async_steps),
-                                decode=letters)
+    # one output token reserved at admission: requests outgrow the pool, so preemption runs under async steps too
+    batcher = ContinuousBatcher(model, SchedulerConfig(max_batch=5, max_tokens=24, chunk=8, async_steps=async_steps,
+                                                       reserve_new_tokens=1), decode=letters)
     ids = []
     for i in range(24):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist()
@@ -255,3 +258,40 @@ def test_close_takes_the_step_in_flight_and_stepping_may_go_on():
     batcher.close()
     assert [batcher.finished[r].output for r in ids] == [[1000 + i for i in range(6)]] * 3
     assert batcher.pages_used == 0 and not batcher.has_unfinished
+
+
+def _closed_loop_run(model, requests, concurrency: int, config: SchedulerConfig) -> dict:
+    """measure.throughput.run_offline (no warm-up, no bandwidth bound), plus the tokens computed (recomputed
+    ones included) over all steps."""
+    from enginesmith.measure.throughput import run_offline
+
+    computed = []
+    result = run_offline(model, requests, concurrency, config, warmup=0, bandwidth_gbs=1.0, weight_bytes=1,
+                         kv_bytes_per_token=1, on_step=lambda out: computed.append(out.num_tokens))
+    return {**result, "computed": sum(computed)}
+
+
+def test_admission_by_needed_pages_never_thrashes_and_concurrency_wins(engines):
+    """A pool far smaller than 8 requests' prompts and outputs (as the default CPU pool is for the Austen
+    workload): concurrency 8 admits only what it can finish, so no request is preempted, nothing is computed
+    twice, steps hold several rows, and it beats concurrency 1. Admission by the first chunk's pages (one
+    output token reserved) preempts and recomputes on the same workload: the check can fail."""
+    from enginesmith.measure.throughput import BenchRequest
+
+    _, paged_engine = engines("llama", 4)
+    rng = np.random.default_rng(7)
+    requests = [BenchRequest(tuple(rng.integers(0, VOCAB, int(rng.integers(8, 31))).tolist()),
+                             int(rng.integers(4, 25))) for _ in range(16)]
+    work = sum(len(r.prompt) + r.new_tokens - 1 for r in requests)  # tokens each request computes once
+    model = OrtPagedModel(paged_engine, 40)  # 39 pages of 4 tokens: 156 tokens; a request needs up to 14 pages
+    config = lambda c, reserve=1024: SchedulerConfig(max_batch=c, max_tokens=256, chunk=32,  # noqa: E731
+                                                     reserve_new_tokens=reserve)
+    one = _closed_loop_run(model, requests, 1, config(1))
+    eight = _closed_loop_run(model, requests, 8, config(8))
+    assert one["preemptions"] == eight["preemptions"] == 0
+    assert one["computed"] == eight["computed"] == work
+    assert eight["steps"] < 0.6 * one["steps"] and eight["max_batch"] >= 3
+    assert eight["tok_s"] > one["tok_s"]
+    assert eight["leaked_pages"] == 0
+    greedy = _closed_loop_run(model, requests, 8, config(8, reserve=1))
+    assert greedy["preemptions"] > 0 and greedy["computed"] > work

@@ -143,3 +143,57 @@ def test_alive_until_closed(engine):
     assert loop.alive
     loop.close()
     assert not loop.alive
+
+
+POISON = 4242  # a token id the engine below fails on (say, a kernel fault one request's input triggers)
+
+
+class FailingModel:
+    """An OrtPagedModel whose forward raises when its ids hold POISON, or on the forwards listed in `fail_at`
+    (a transient failure, whatever the rows)."""
+
+    def __init__(self, model, fail_at=()):
+        self.model, self.fail_at, self.forwards = model, set(fail_at), 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def run(self, ids, step, picks):
+        self.forwards += 1
+        if POISON in ids or self.forwards in self.fail_at:
+            raise RuntimeError("kernel fault")
+        return self.model.run(ids, step, picks)
+
+
+def test_a_request_that_makes_the_engine_fail_ends_alone(engine):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 1000, int(n)).tolist() for n in (9, 14, 5, 11, 7)]
+    prompts[2] = prompts[2][:3] + [POISON] + prompts[2][3:]
+    loop = BatcherLoop(FailingModel(OrtPagedModel(engine, 96)), SchedulerConfig(max_batch=4, max_tokens=32, chunk=8))
+    try:
+        results = [collect(h) for h in [loop.submit(p, 8) for p in prompts]]
+        for i, (tokens, end) in enumerate(results):
+            if i == 2:
+                assert end == ("error", "the engine failed: RuntimeError: kernel fault")
+            else:
+                assert end[0] == "done" and tokens == alone(engine, prompts[i], 8), i
+        tokens, end = collect(loop.submit(prompts[0], 4))  # the loop serves on
+        assert end[0] == "done" and tokens == alone(engine, prompts[0], 4)
+        assert loop.stats().pages_used == 0
+    finally:
+        loop.close()
+
+
+def test_a_transient_engine_failure_ends_no_request(engine):
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 1000, int(n)).tolist() for n in (9, 14, 5, 11)]
+    model = FailingModel(OrtPagedModel(engine, 96), fail_at={3})  # the third forward fails, whoever is in it
+    loop = BatcherLoop(model, SchedulerConfig(max_batch=4, max_tokens=64, chunk=16))
+    try:
+        handles = [loop.submit(p, 8) for p in prompts]
+        results = [collect(h) for h in handles]
+        assert model.forwards > 3
+        for prompt, (tokens, end) in zip(prompts, results):
+            assert end[0] == "done" and tokens == alone(engine, prompt, 8)
+    finally:
+        loop.close()

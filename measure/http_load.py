@@ -61,6 +61,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,7 @@ DEFAULT_TIMEOUT = 300.0       # seconds for one request, stream included
 WARMUP_TOKENS = 4             # warm-up requests ask for this many tokens
 PROBE_TIMEOUT = 10.0          # seconds for the start-up checks (model list, health)
 ERROR_TEXT = 300              # characters kept of an error body
+MAX_LINE = 1 << 20            # bytes of one SSE line: a server that streams an endless line is an error, not RAM
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
     """The data of each server-sent event (several `data:` lines of one event joined by newlines);
     comments (`:` keep-alives) and the event/id/retry fields are not needed here."""
     data: list[str] = []
-    async for line in response.aiter_lines():
+    async for line in _bounded_lines(response):
         if not line:
             if data:
                 yield "\n".join(data)
@@ -177,6 +179,30 @@ async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
             data.append(line[5:].removeprefix(" "))
     if data:
         yield "\n".join(data)
+
+
+async def _bounded_lines(response: httpx.Response, limit: int = MAX_LINE) -> AsyncIterator[str]:
+    """The response's lines (ended by \\n, \\r\\n or \\r, as SSE allows), each at most `limit` bytes: a
+    _StreamError for a longer one, so an endless line costs at most `limit` bytes of memory."""
+    buf = bytearray()
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        start = 0
+        while True:
+            ends = [k for k in (buf.find(b"\n", start), buf.find(b"\r", start)) if k >= 0]
+            if not ends:
+                break
+            end = min(ends)
+            if buf[end:end + 1] == b"\r" and end + 1 == len(buf):
+                break  # a \r at the end of the chunk: its \n may come next
+            step = 2 if buf[end:end + 2] == b"\r\n" else 1
+            yield buf[start:end].decode("utf-8", "replace")
+            start = end + step
+        del buf[:start]
+        if len(buf) > limit:
+            raise _StreamError(f"a line of the stream is over {limit} bytes")
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", "replace")
 
 
 def _read_event(api: str, data: str, out: Outcome, now: float) -> None:
@@ -302,12 +328,25 @@ def _client(timeout: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, pool=None))
 
 
-def check_run(prompts: Sequence[Prompt], concurrency: int, rate: float | None) -> None:
-    """A UserError for a run that cannot be: no prompts, C < 1, R <= 0."""
+def check_rate(rate: float | None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """A UserError for a rate that is not positive, or so low that the mean gap between arrivals (1/R)
+    exceeds one request's timeout: such a run would send next to nothing for minutes or years."""
+    if rate is None:
+        return
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise UserError(f"invalid rate={rate!r}", "give a rate > 0 requests/s")
+    if 1.0 / rate > timeout:
+        raise UserError(f"--rate {rate:g} sends one request every {1.0 / rate:.3g} s on average, longer than the "
+                        f"{timeout:g} s a request may take", f"give --rate >= {1.0 / timeout:.3g} (1/--timeout), "
+                        "or leave --rate out for a closed loop")
+
+
+def check_run(prompts: Sequence[Prompt], concurrency: int, rate: float | None,
+              timeout: float = DEFAULT_TIMEOUT) -> None:
+    """A UserError for a run that cannot be: no prompts, C < 1, R <= 0 or below 1/timeout."""
     if not isinstance(concurrency, int) or concurrency < 1:
         raise UserError(f"invalid concurrency={concurrency!r}", "give a concurrency >= 1")
-    if rate is not None and not rate > 0:
-        raise UserError(f"invalid rate={rate!r}", "give a rate > 0 requests/s")
+    check_rate(rate, timeout)
     if not prompts:
         raise UserError("no requests to send", "give at least one request")
 
@@ -338,7 +377,7 @@ async def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, 
     arrivals, after `warmup` untimed requests of WARMUP_TOKENS tokens sent at once (default:
     min(C, N)); the module doc's figures as a JSON-able dict. In this process: measure/load_procs.py
     splits the same run over several."""
-    check_run(prompts, concurrency, rate)
+    check_run(prompts, concurrency, rate, timeout)
     warmup = min(concurrency, len(prompts)) if warmup is None else warmup
     due = None if rate is None else arrival_times(len(prompts), rate, seed)
     bar = progress_bar(len(prompts), concurrency, progress)
@@ -437,16 +476,17 @@ def served_model(url: str, api: str, model: str | None = None, api_key: str | No
     where = f"{url}/v1/models" if api == "openai" else f"{url}/v2/repository/index"
     try:
         listed = r.json() if r.status_code == 200 else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or absurdly nested
         listed = None
     if api == "openai":
         items = listed.get("data") if isinstance(listed, dict) else None
-        names = [m["id"] for m in items or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        names = [m["id"] for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+            if isinstance(items, list) else []
     else:
         names = [m["name"] for m in listed or [] if isinstance(m, dict) and isinstance(m.get("name"), str)
                  and m.get("state", "READY") == "READY"] if isinstance(listed, list) else []
     if not names:
-        raise UserError(f"{where} names no model (HTTP {r.status_code})", "give --model NAME")
+        raise UserError(f"{where} names no model (HTTP {r.status_code}: {r.text[:80]!r})", "give --model NAME")
     return names[0]
 
 

@@ -91,7 +91,7 @@ def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, rate: 
              warmup: int | None = None, progress: bool = False) -> dict:
     """http_load.run_load's run and figures, its load split over `procs` processes (module doc);
     the result's "procs" says how many ran it."""
-    http_load.check_run(prompts, concurrency, rate)
+    http_load.check_run(prompts, concurrency, rate, timeout)
     k = procs_for(procs, concurrency, len(prompts))
     if k == 1:
         return asyncio.run(http_load.run_load(target, prompts, concurrency, rate, seed=seed, timeout=timeout,

@@ -10,6 +10,8 @@ usage (true: honour stream_options.include_usage). The prompt text picks a failu
     FAIL        503 with an OpenAI-style JSON error          STALL      one event, then 60 s of silence
     BREAK       one event, then the connection is cut        BADJSON    an event whose data is not JSON
     ERROREVENT  an event {"error": {...}} after one token     NODONE     (openai) no `data: [DONE]` at the end
+    ENDLESS     one line that never ends (64 KiB pieces, 64 MiB at most, then 60 s of silence)
+POST /models-body {"body": text}: what GET /v1/models answers from then on (a malformed list); /reset restores it.
 GET /stats: requests seen, in flight now and at most, arrival times (time.monotonic), the last 64
 bodies; POST /reset clears them (streams still open then no longer count). With --api-key, every request without `Bearer KEY` gets 401.
 """
@@ -25,11 +27,11 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 STATE = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "arrivals": [], "bodies": [], "epoch": 0}
-CONFIG = {"api_key": None, "model": "fake-model"}
+CONFIG = {"api_key": None, "model": "fake-model", "models_body": None}
 
 
 def _authorized(request: Request) -> bool:
@@ -43,7 +45,14 @@ def _unauthorized() -> JSONResponse:
 async def models(request: Request):
     if not _authorized(request):
         return _unauthorized()
+    if CONFIG["models_body"] is not None:
+        return Response(CONFIG["models_body"], media_type="application/json")
     return JSONResponse({"object": "list", "data": [{"id": CONFIG["model"], "object": "model"}]})
+
+
+async def models_body(request: Request):
+    CONFIG["models_body"] = (await request.json())["body"]
+    return JSONResponse({})
 
 
 async def ready(request: Request):
@@ -61,6 +70,7 @@ async def stats(request: Request):
 async def reset(request: Request):
     # a stream of the last test still open (a stalled one) must not count against the next test
     STATE.update(requests=0, in_flight=0, max_in_flight=0, arrivals=[], bodies=[], epoch=STATE["epoch"] + 1)
+    CONFIG["models_body"] = None
     return JSONResponse({})
 
 
@@ -73,6 +83,12 @@ async def _stream(api: str, body: dict, prompt: str, epoch: int):
     k = int(body.get("tokens_per_chunk", 1))
     first_delay, delay = float(body.get("first_delay", 0.05)), float(body.get("delay", 0.005))
     try:
+        if prompt == "ENDLESS":
+            yield "data: "
+            for _ in range(1024):
+                yield "x" * 65536
+                await asyncio.sleep(0)
+            await asyncio.sleep(60)
         made = 0
         for i in range(math.ceil(n / k)):
             await asyncio.sleep(first_delay if i == 0 else delay)
@@ -135,6 +151,7 @@ app = Starlette(routes=[
     Route("/v2/health/ready", ready), Route("/v2/repository/index", repository_index, methods=["POST"]),
     Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
     Route("/stats", stats), Route("/reset", reset, methods=["POST"]),
+    Route("/models-body", models_body, methods=["POST"]),
 ])
 
 

@@ -166,6 +166,25 @@ def test_errors_are_counted_by_kind_and_never_stop_the_run(server):
     assert r["errors"]["by_kind"] == {"http_401": 1}
 
 
+def test_an_endless_sse_line_is_a_stream_error_not_a_memory_error(server):
+    start = time.monotonic()
+    r = _run(_target(server), [Prompt("ENDLESS", 1, 4), Prompt("fine", 1, 4)], 2, warmup=0, timeout=30)
+    assert r["errors"]["by_kind"] == {"stream": 1} and r["completed"] == 1
+    assert f"over {http_load.MAX_LINE} bytes" in r["errors"]["examples"]["stream"]
+    assert time.monotonic() - start < 20  # cut at 1 MiB, not read for the 60 s the server would go on
+
+
+@pytest.mark.parametrize("body", ['{"data": 5}', '{"data": "abc"}', "[1, 2]", "null", '{"data": [{"id": 3}]}',
+                                  "not json", "[" * 100_000])
+def test_a_malformed_model_list_is_one_line_and_exit_2(server, body):
+    httpx.post(f"{server}/models-body", json={"body": body})
+    try:
+        result = cli("bench", "serve", "--url", server, "--api-key", KEY, "--requests", "2")
+    finally:
+        httpx.post(f"{server}/reset")
+    assert_one_line_error(result, 2, "names no model")
+
+
 def test_arrival_times_are_a_seeded_poisson_process():
     rate = 20.0
     due = http_load.arrival_times(20000, rate, seed=3)
@@ -297,6 +316,8 @@ def test_bench_keeps_its_own_flags_and_gains_serve():
     (["--url", "http://h", "--requests", "0"], "--requests 0"),
     (["--url", "http://h", "--requests", "2", "--concurrency", "0"], "--concurrency"),
     (["--url", "http://h", "--requests", "2", "--rate", "0"], "--rate 0.0"),
+    (["--url", "http://h", "--requests", "2", "--rate", "1e-9"], "--rate 1e-09 sends one request every 1e+09 s"),
+    (["--url", "http://h", "--requests", "2", "--rate", "0.01", "--timeout", "10"], "give --rate >= 0.1"),
     (["--url", "http://h", "--requests", "2", "--timeout", "nan"], "--timeout nan"),
     (["--url", "http://h", "--requests", "2", "--api", "grpc"], "invalid choice"),
     (["--url", "http://h", "--requests", "2", "--extra-body", "[1]"], "not an object"),

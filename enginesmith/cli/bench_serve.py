@@ -112,6 +112,7 @@ def cmd_bench_serve(args) -> int:
     from enginesmith.measure import http_load, load_procs, throughput  # deferred: imports onnxruntime (optional)
 
     concurrencies, extra, procs = _check(args)
+    http_load.check_rate(args.rate, args.timeout)
     url = http_load.base_url(args.url, args.api)
     model = http_load.served_model(url, args.api, args.model, args.api_key)
     tokenizer, described = http_load.load_tokenizer(args.tokenizer, model)

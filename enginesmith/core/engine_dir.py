@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 from enginesmith.core import manifest as schema
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import FORMAT_VERSION, Manifest  # noqa: F401  (re-exported)
+from enginesmith.core.out_paths import check_out
 from enginesmith.core.paths import cache_dir, writing_to
 
 MANIFEST = "build.json"
@@ -161,13 +162,58 @@ def read_manifest(root: Path) -> Manifest:
         raise EngineError(f"{root}/{MANIFEST}: {exc.what}", rebuild_fix(root, raw)) from None
 
 
+def foreign_entries(root: Path, owned: set[str], limit: int = 10_000) -> list[str]:
+    """Entries under `root` (relative posix paths) that are not in `owned`: a file not listed, a folder
+    holding nothing owned, a symlink, FIFO, socket or device of any name. Folders are not followed
+    through links. At most `limit` entries are looked at; beyond that the rest counts as foreign."""
+    keep_dirs = {parent.as_posix() for rel in owned for parent in Path(rel).parents if parent.as_posix() != "."}
+    foreign: list[str] = []
+    seen = 0
+
+    def visit(directory: Path, prefix: str) -> None:
+        nonlocal seen
+        with os.scandir(directory) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                seen += 1
+                rel = f"{prefix}{entry.name}"
+                if seen > limit:
+                    foreign.append(f"(more than {limit} entries)")
+                    return
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and rel in keep_dirs and rel.count("/") < 4 * MAX_DEPTH:
+                    visit(Path(entry.path), rel + "/")
+                elif not (stat.S_ISREG(st.st_mode) and rel in owned):
+                    foreign.append(rel + ("/" if stat.S_ISDIR(st.st_mode) else ""))
+
+    visit(Path(root), "")
+    return foreign
+
+
+def refuse_foreign(root: Path, foreign: list[str], kind: str) -> None:
+    """The one refusal of `--force` over files enginesmith did not write, with their list."""
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise UserError(f"{root} holds files that are not part of {kind} ({shown}); --force replaces only what "
+                        "enginesmith wrote", "move those files away, or choose another --out")
+
+
 def looks_like_engine(path: Path) -> bool:
-    """Whether `path` is a directory with a build.json of some enginesmith format (what --force may replace)."""
+    """What `build --force` may replace: an engine directory whose build.json this enginesmith reads
+    (of any format; a build.json without a graph among its files, such as a two-key {"format_version",
+    "files"}, is not one) holding nothing but the files build.json lists
+    (missing ones may be missing: an altered engine is rebuilt). Anything else there is a UserError
+    listing it: --force never deletes a file enginesmith did not write."""
     try:
         raw = _read_raw(_root(path))
     except EngineError:
         return False
-    return isinstance(raw, dict) and isinstance(raw.get("format_version"), int) and isinstance(raw.get("files"), dict)
+    files = raw.get("files") if isinstance(raw, dict) else None
+    # any format (an older engine is replaceable too), but a real one: a graph among its listed files
+    if not (isinstance(raw.get("format_version"), int) and isinstance(files, dict) and files
+            and all(isinstance(k, str) for k in files) and isinstance(raw.get("graph"), str) and raw["graph"] in files):
+        return False
+    refuse_foreign(path, foreign_entries(path, set(files) | {MANIFEST}), "the engine its build.json lists")
+    return True
 
 
 def verify(root: Path, backend_check: Callable[[Manifest], None] | None = None, hashes: bool = True,
@@ -332,7 +378,7 @@ def write_atomically(target: Path, overwrite: bool = False, wait: bool = False,
     Ctrl-C, SIGTERM) it is removed. Writers of one target exclude each other (`wait`: block, else
     fail at once; `locked`: the caller holds `lock(target)` already); `overwrite` replaces only a
     directory that `replaceable` accepts."""
-    target = Path(target)
+    target = check_out(target, "--out", "dir")  # '', '.', '/', a file's child, a name too long for temp names
     with contextlib.ExitStack() as stack:
         if not locked:
             stack.enter_context(lock(target, wait))

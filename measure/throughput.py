@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -47,7 +48,7 @@ from tqdm import tqdm
 
 from enginesmith.core.errors import UserError
 from enginesmith.measure import speed
-from enginesmith.models.corpus import austen_text, data_dir, novels, tokenize
+from enginesmith.models.corpus import austen_text, data_dir, load_text, novels, tokenize
 from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig, StepOutput
 
 RUN_PARAGRAPHS = 8            # a drawn prompt is a run of 1..RUN_PARAGRAPHS paragraphs
@@ -65,29 +66,32 @@ class BenchRequest:
 
 # ----------------------------------------------------------------------------- the workload
 
+def split_paragraphs(text: str) -> tuple[str, ...]:
+    """The paragraphs of a text (between blank lines, line breaks inside kept)."""
+    return tuple(p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip())
+
+
 @functools.lru_cache(maxsize=1)
 def paragraphs() -> tuple[tuple[str, ...], ...]:
-    """Each novel's paragraphs (text between blank lines, line breaks inside kept), novels sorted."""
-    return tuple(tuple(p.strip() for p in re.split(r"\n[ \t]*\n", austen_text(name)) if p.strip())
-                 for name in novels())
+    """Each novel's paragraphs, novels sorted."""
+    return tuple(split_paragraphs(austen_text(name)) for name in novels())
 
 
 def workload(source, n: int, seed: int = 0, prompt_tokens: int | None = None, new_tokens: int | None = None,
-             max_prompt: int = MAX_PROMPT, max_new: int = MAX_NEW) -> list[BenchRequest]:
-    """N requests, deterministic from the seed (module doc). `source` is the engine's tokenizer, or
-    an int vocab size: then prompts are seeded random ids and both lengths must be given (for an
-    engine whose tokenizer or corpus is missing; random ids cost the same compute)."""
+             max_prompt: int = MAX_PROMPT, max_new: int = MAX_NEW,
+             books: Sequence[Sequence[str]] | None = None) -> list[BenchRequest]:
+    """N requests, deterministic from the seed (module doc). `source` is the engine's tokenizer (prompts
+    from `books`, paragraphs of texts: default the Austen novels), or an int vocab size: synthetic
+    prompts of seeded random ids (no corpus installed; random ids cost the same compute), their
+    lengths fixed or drawn as SYNTHETIC_* says."""
     for name, value in (("requests", n), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens),
                         ("max_prompt", max_prompt), ("max_new", max_new)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UserError(f"invalid {name}={value!r}", f"give {name} >= 1")
     rng = np.random.default_rng(seed)
     if isinstance(source, int):
-        if prompt_tokens is None or new_tokens is None:
-            raise UserError("a workload of random ids needs fixed lengths", "give --prompt-tokens and --new-tokens")
-        return [BenchRequest(tuple(int(t) for t in rng.integers(0, source, prompt_tokens)), new_tokens)
-                for _ in range(n)]
-    books = paragraphs()
+        return _synthetic(source, n, rng, prompt_tokens, new_tokens, max_prompt, max_new)
+    books = books or paragraphs()
     share = np.array([len(b) for b in books], float)
     share /= share.sum()  # a paragraph of any novel is as likely a start as any other
     out = []
@@ -104,17 +108,39 @@ def workload(source, n: int, seed: int = 0, prompt_tokens: int | None = None, ne
     return out
 
 
-def workload_source(tokenizer, vocab: int, fixed: bool) -> tuple[object, str]:
-    """(what `workload` takes, what the prompts are): (the tokenizer, "austen"), or with fixed
-    lengths and no corpus installed, (the vocab size, "random ids (no corpus installed)"): random
-    ids cost the same compute. Without the corpus and without fixed lengths, the corpus's UserError."""
+SYNTHETIC_PROMPT = (150, 0.9)   # synthetic lengths: exp(normal(log median, sigma)), clipped (prose-like spread)
+SYNTHETIC_NEW = (60, 0.8)
+
+
+def _synthetic(vocab: int, n: int, rng, prompt_tokens: int | None, new_tokens: int | None, max_prompt: int,
+               max_new: int) -> list[BenchRequest]:
+    def lengths(fixed: int | None, median_sigma: tuple[float, float], high: int) -> list[int]:
+        if fixed is not None:
+            return [fixed] * n
+        median, sigma = median_sigma
+        return [int(x) for x in np.clip(np.round(np.exp(rng.normal(np.log(median), sigma, n))), 1, high)]
+
+    ps, ts = lengths(prompt_tokens, SYNTHETIC_PROMPT, max_prompt), lengths(new_tokens, SYNTHETIC_NEW, max_new)
+    return [BenchRequest(tuple(int(t) for t in rng.integers(0, vocab, p)), t) for p, t in zip(ps, ts)]
+
+
+def workload_source(tokenizer, vocab: int, text_file: str | None = None) -> tuple[object, tuple | None, str]:
+    """(what `workload` takes, its books, what the prompts are): the paragraphs of `text_file` (--text),
+    else the Austen corpus, else, when it is not installed, synthetic prompts (the vocab size; the caller
+    prints a notice)."""
+    if text_file is not None:
+        return tokenizer, (split_paragraphs(load_text(text_file)),), f"text of {Path(text_file).name}"
     try:
         data_dir()
     except UserError:
-        if not fixed:
-            raise
-        return vocab, "random ids (no corpus installed)"
-    return tokenizer, "austen"
+        return vocab, None, SYNTHETIC
+    return tokenizer, None, "austen"
+
+
+SYNTHETIC = "synthetic prompts (random token ids)"
+NO_CORPUS_NOTICE = ("notice: the Jane Austen corpus is not installed, so the prompts are synthetic (random token ids, "
+                    "lengths spread like prose); give --text FILE for prompts of real text, or install the corpus: "
+                    "apt-get install r-cran-janeaustenr")
 
 
 def _text(book: Sequence[str], start: int, end: int) -> str:

@@ -49,7 +49,8 @@ def data_dir() -> Path:
         if (data / "Rdata.rdb").is_file() and (data / "Rdata.rdx").is_file():
             return data
     raise UserError("the Jane Austen corpus (Debian package r-cran-janeaustenr) is not installed",
-                    f"{INSTALL_FIX}, or pass a text file of your own")
+                    f"{INSTALL_FIX}, or give a UTF-8 text file of your own: --text FILE (eval, bench --requests, bench "
+                    "serve) or --calib-text FILE (build)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,9 +20,9 @@ def add_parser(verbs) -> None:
     p = verbs.add_parser("bench", help="prefill/decode speed and memory (optionally vs HF transformers)")
     add_model_flags(p)
     p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="prompt length (default 128; with --requests: drawn from the Austen corpus)")
+                   help="prompt length (default 128; with --requests: drawn from the prompts' text)")
     p.add_argument("--new-tokens", type=int, default=None,
-                   help="tokens generated (default 64; with --requests: drawn from the Austen corpus)")
+                   help="tokens generated (default 64; with --requests: drawn from the prompts' text)")
     p.add_argument("--batch", type=int, default=None, help="sequences decoded together (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs; the median is reported (default 3)")
     p.add_argument("--compare", default=None, metavar="LIST",
@@ -43,6 +43,9 @@ def add_parser(verbs) -> None:
                    help="rows per scheduler step (default: the concurrency, at most a --for-cuda engine's --max-batch)")
     g.add_argument("--chunk", type=int, default=None,
                    help="prefill tokens per row per step (default 128, at most what the engine's attention takes)")
+    g.add_argument("--text", default=None, metavar="FILE",
+                   help="draw the prompts from this UTF-8 text file's paragraphs (default: the Austen corpus; "
+                        "synthetic prompts, with a notice, when it is not installed)")
     g.add_argument("--seed", type=int, default=None, help="workload seed (default 0)")
     g.add_argument("--png", default=None, metavar="FILE", help="write tok/s against concurrency to a PNG")
     p.set_defaults(func=cmd_bench)
@@ -64,7 +67,7 @@ class _SubVerbs(argparse._SubParsersAction):
         super().__call__(parser, namespace, values, option_string)
 
 
-OFFLINE_ONLY = ("concurrency", "num_pages", "max_batch_rows", "chunk", "seed", "png")
+OFFLINE_ONLY = ("concurrency", "num_pages", "max_batch_rows", "chunk", "seed", "png", "text")
 SINGLE_ONLY = ("batch", "repeats", "compare", "speculative")
 
 
@@ -143,11 +146,12 @@ def cmd_offline(args) -> int:
         chunk = min(chunk, model.max_chunk)
     limit = getattr(model, "max_positions", None) or loaded.max_positions
     max_prompt, max_new = throughput.clips(limit, chunk, args.prompt_tokens, args.new_tokens)
-    fixed = args.prompt_tokens is not None and args.new_tokens is not None
     vocab = getattr(loaded.engine, "vocab", None) or len(loaded.tokenizer)
-    source, text = throughput.workload_source(loaded.tokenizer, vocab, fixed)
+    source, books, text = throughput.workload_source(loaded.tokenizer, vocab, args.text)
+    if text == throughput.SYNTHETIC:
+        print(throughput.NO_CORPUS_NOTICE, file=sys.stderr)
     requests = throughput.workload(source, args.requests, seed, args.prompt_tokens, args.new_tokens,
-                                   max_prompt=max_prompt, max_new=max_new)
+                                   max_prompt=max_prompt, max_new=max_new, books=books)
     need = max(-(-(len(r.prompt) + r.new_tokens) // model.page_size) for r in requests)
     if need > model.num_pages - 1:
         raise UserError(f"the longest request needs {need} KV pages; the pool has {model.num_pages - 1}",

@@ -4,12 +4,13 @@ Any OpenAI-compatible server (POST /v1/completions, streamed) or Triton's HTTP g
 (POST /v2/models/<model>/generate_stream): closed loop at each --concurrency, or Poisson arrivals at
 --rate with at most that many in flight; output tok/s, req/s, TTFT, ITL and TPOT p50/p99, errors.
 
-The prompts are the Austen workload of `bench --requests` (measure/throughput.workload), made with
-a tokenizer and sent as text: --tokenizer (an engine directory or a model spec), else the served
+The prompts are the workload of `bench --requests` (measure/throughput.workload: paragraphs of --text
+FILE, else of the Austen corpus, else synthetic with a notice), made with a tokenizer and sent as text: --tokenizer (an engine directory or a model spec), else the served
 model's name when it is a local path, else the embedded default model's (SmolLM2).
 --procs K splits each run's streams over K client processes (measure/load_procs.py): one Python
 process reads ~25-40k server-sent events/s, less than a fast server sends at high concurrency.
-Exit status: 0, 1 when any request failed (the report is printed all the same), 2 bad input.
+Exit status: 0; 1 when any request failed (the report is printed all the same); 2 bad input or a
+server that cannot be used (unreachable, refuses the key, lists no model).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def add_parser(subverbs) -> None:
                    help="open loop: Poisson arrivals at R requests/s, at most --concurrency in flight (default: "
                         "closed loop, each client sends its next request when its last one has ended)")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="P",
-                   help="prompt length (default: drawn from the Austen corpus, as `bench --requests`)")
+                   help="prompt length (default: drawn from the prompts' text, as `bench --requests`)")
     p.add_argument("--new-tokens", type=int, default=None, metavar="T",
-                   help="max_tokens of every request (default: drawn from the Austen corpus)")
+                   help="max_tokens of every request (default: drawn from the prompts' text)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="draw the prompts from this UTF-8 text file's paragraphs (default: the Austen corpus; "
+                        "synthetic prompts, with a notice, when it is not installed)")
     p.add_argument("--tokenizer", default=None, metavar="ENGINE_DIR|MODEL",
                    help="tokenizer of the prompts: an engine directory or a model (HF dir, GGUF, tiny:<family>); "
                         "default: the served model's name if it is a local path, else SmolLM2's")
@@ -116,9 +120,10 @@ def cmd_bench_serve(args) -> int:
     url = http_load.base_url(args.url, args.api)
     model = http_load.served_model(url, args.api, args.model, args.api_key)
     tokenizer, described = http_load.load_tokenizer(args.tokenizer, model)
-    fixed = args.prompt_tokens is not None and args.new_tokens is not None
-    source, text = throughput.workload_source(tokenizer, len(tokenizer), fixed)
-    requests = throughput.workload(source, args.requests, args.seed, args.prompt_tokens, args.new_tokens)
+    source, books, text = throughput.workload_source(tokenizer, len(tokenizer), args.text)
+    if text == throughput.SYNTHETIC:
+        print(throughput.NO_CORPUS_NOTICE, file=sys.stderr)
+    requests = throughput.workload(source, args.requests, args.seed, args.prompt_tokens, args.new_tokens, books=books)
     prompts = http_load.prompts_from(requests, tokenizer)
     print(f"[bench serve] {model} at {url} ({args.api}); prompts made with the tokenizer of {described}",
           file=sys.stderr)

@@ -137,7 +137,8 @@ def test_bench_requests_cli_json_and_png(engine_dir, austen, tmp_path):
     assert result.returncode == 0, result.stderr
     r = json.loads(result.stdout)
     assert [run["concurrency"] for run in r["runs"]] == [1, 3] and r["workload"]["text"] == "austen"
-    assert r["workload"]["prompt_tokens"] == "drawn" and r["device"] == "cpu" and r["num_pages"] == 120
+    assert r["workload"]["prompt_tokens"] == "drawn" and r["device"] == "cpu" and r["num_pages"] == 119
+    assert all(run["pages"]["total"] == r["num_pages"] for run in r["runs"])  # usable pages: the null page is not one
     assert len({run["output_tokens"] for run in r["runs"]}) == 1  # the same work at every concurrency
     assert all(run["leaked_pages"] == 0 and run["tok_s"] > 0 for run in r["runs"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -189,7 +190,7 @@ def test_gpu_bench_requests_on_the_cuda_paged_engine(paged_dir):  # noqa: F811  
                  "--prompt-tokens", "64", "--new-tokens", "32", "--num-pages", "256", "--json")
     assert result.returncode == 0, result.stderr
     r = json.loads(result.stdout)
-    assert r["device"] == "cuda" and r["backend"] == "PagedCudaEngine" and r["num_pages"] == 256
+    assert r["device"] == "cuda" and r["backend"] == "PagedCudaEngine" and r["num_pages"] == 255
     one, many = r["runs"]
     assert many["max_batch_rows"] == many["max_batch"] == 16  # built with --max-batch 32: 16 in flight, 16 rows a step
     assert one["chunk"] == many["chunk"] == 16                # the paged attention op's query limit

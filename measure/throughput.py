@@ -443,4 +443,5 @@ def bench_offline(loaded, model: PagedModel, requests: Sequence[BenchRequest], c
                  kv_bytes_per_token=kv, progress=progress)
     return {"model": loaded.manifest.source.name, "engine": str(loaded.path), "precision": loaded.manifest.precision,
             "backend": type(model).__name__, "device": device, "device_name": speed.device_name(device),
-            "num_pages": model.num_pages - 1, "page_size": model.page_size,  # usable pages (page 0 is the null page) "workload": workload_info, "runs": runs}
+            # num_pages: the usable pages, as the runs' pages.total (page 0 of the pool is the null page)
+            "num_pages": model.num_pages - 1, "page_size": model.page_size, "workload": workload_info, "runs": runs}

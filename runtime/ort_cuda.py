@@ -419,13 +419,17 @@ def sample_on_device(logits, params, generator=None, seen=None):
     torch = _torch()
     if params.greedy and (seen is None or params.repetition_penalty == 1.0):
         return device_argmax(logits)  # no cast
-    x = logits.float()
+    # float64, the penalty clipped to finite values and the temperature dividing logits shifted by their
+    # maximum: what sampling.probabilities computes (no inf - inf at a tiny temperature or penalty)
+    x = logits.double()
     if seen is not None and params.repetition_penalty != 1.0:
-        p = params.repetition_penalty
-        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+        p, finite = params.repetition_penalty, torch.finfo(torch.float64).max
+        penalized = torch.where(x > 0, x / p, x * p).clamp(-finite, finite)
+        x = torch.where(seen & x.isfinite(), penalized, x)
     if params.greedy:
         return x.argmax(-1)
-    x = x / params.temperature
+    top = x.max(-1, keepdim=True).values
+    x = torch.where(x == top, torch.zeros_like(x), (x - top) / params.temperature)
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -2,6 +2,13 @@
 
 All functions work on a batch: logits [B, V] float32. Randomness comes only from the
 np.random.Generator passed in, so a seed reproduces a run exactly.
+
+Numerics (issue 28: `--temperature 1e-39` gave NaN and token 0): the processors run in float64, and
+temperature divides logits already shifted by their row maximum, (x - max) / T, which is the same
+distribution (softmax is shift-invariant) but cannot overflow: the best logit is 0 whatever T is, the
+others go to -inf as T -> 0, so a near-zero temperature is the greedy choice (among exact ties, an
+even draw). A repetition penalty that overflows float64 (|logit| / penalty > 1.8e308) is clipped to
+the largest finite value, so every value stays a number.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import numpy as np
 from enginesmith.core.errors import UserError
 
 MAX_SEED = 2 ** 64  # seeds are 64-bit: numpy takes more, torch's CUDA generator does not
+_FINITE = np.finfo(np.float64).max
 
 
 @dataclass(frozen=True)
@@ -58,15 +66,28 @@ class SamplingParams:
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: list[np.ndarray], penalty: float) -> np.ndarray:
-    """Penalize tokens already in each row's context (prompt + generated)."""
+    """Penalize tokens already in each row's context (prompt + generated); float64, finite where the
+    logits were."""
     if penalty == 1.0:
         return logits
-    logits = logits.copy()
-    for row, ids in enumerate(seen):
-        ids = np.unique(ids)
-        values = logits[row, ids]
-        logits[row, ids] = np.where(values > 0, values / penalty, values * penalty)
+    logits = np.array(logits, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        for row, ids in enumerate(seen):
+            ids = np.unique(ids)
+            values = logits[row, ids]
+            penalized = np.clip(np.where(values > 0, values / penalty, values * penalty), -_FINITE, _FINITE)
+            logits[row, ids] = np.where(np.isfinite(values), penalized, values)  # a masked -inf stays masked
     return logits
+
+
+def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """(logits - row max) / temperature in float64: the distribution of logits / temperature, with the
+    best token at 0 for any temperature > 0 (no overflow, no inf - inf)."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = np.max(x, axis=-1, keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        shifted = np.where(x == top, 0.0, (x - top) / temperature)  # -inf stays -inf
+    return shifted
 
 
 def filter_top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -99,7 +120,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def probabilities(logits: np.ndarray, params: SamplingParams, seen: list[np.ndarray] | None = None) -> np.ndarray:
     """The distribution sampling draws from, after every processor ([B, V], rows sum to 1)."""
     logits = apply_repetition_penalty(logits, seen or [], params.repetition_penalty) if seen else logits
-    logits = filter_top_k(logits / params.temperature, params.top_k)
+    logits = filter_top_k(apply_temperature(logits, params.temperature), params.top_k)
     return _softmax(filter_top_p(logits, params.top_p))
 
 

@@ -42,7 +42,7 @@ class BuildPyWithKernels(build_py):
         super().run()
         if not _binary():
             return
-        if self.editable_mode:
+        if getattr(self, "editable_mode", False):  # setuptools >= 64 sets it for `pip install -e`
             print("enginesmith: an editable install compiles nothing ($ENGINESMITH_KERNEL_ARCHS ignored); "
                   "the libraries compile on first use or with `enginesmith plugins build`")
             return

@@ -6,7 +6,8 @@
 #
 # LIBS: the compiled libraries (default $ENGINESMITH_PLUGINS_BUILD): a CMake build folder, a cache entry
 # (meta.json), or verify.sh's carried libraries (verify_libs.json). Needs staging as for verify.sh
-# (onnxruntime-gpu in /tmp/site on PYTHONPATH; torch in the system's site-packages). MODEL: the engine's
+# (onnxruntime-gpu in /tmp/site on PYTHONPATH, or STAGED_SITE=DIR; torch there or in the system's
+# site-packages). MODEL: the engine's
 # model (default random:llama-3.2-1b; MODEL=tiny:llama for a quick try). Writes $OUT/wheel_check.log,
 # doctor.json, bench.json; the exit status is the number of failed steps.
 set -uo pipefail
@@ -18,10 +19,11 @@ MODEL="${MODEL:-random:llama-3.2-1b}"
 rm -rf "$W" && mkdir -p "$W/pythonpath" "$OUT"
 exec > >(tee "$OUT/wheel_check.log") 2>&1
 failed=0
-step() {  # step NAME CMD...: run and time one step; a failure is counted and the script goes on
+step() {  # step [-o FILE] NAME CMD...: run and time one step (stdout to FILE); a failure is counted, the script goes on
+    local o=/dev/stdout; [ "$1" = -o ] && { o="$2"; shift 2; }
     local name="$1" t0=$SECONDS; shift
     echo "=== $name: $*"
-    "$@"; local rc=$?
+    "$@" > "$o"; local rc=$?
     echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
     return "$rc"
@@ -44,17 +46,23 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
 echo "libraries from $LIBS, archs $ARCHS"
 
 cd "$W"  # away from the checkout: its enginesmith/ must not be imported
+mkdir -p "$W/src" && tar -C "$REPO" --exclude=./.git --exclude=./.venv --exclude='./.device*' --exclude=./build \
+    -cf - . | tar -C "$W/src" -xf -   # a copy: pip builds in the tree it is given
 step wheel env -u TENSORRT_ROOT ENGINESMITH_KERNEL_ARCHS="$ARCHS" ENGINESMITH_PREBUILT_FROM="$FROM" \
-    python3 -m pip wheel -q --no-deps --no-build-isolation "$REPO" -w "$W/dist" || exit 1
+    python3 -m pip wheel -q --no-deps --no-build-isolation "$W/src" -w "$W/dist" || exit 1
 WHEEL=$(ls "$W"/dist/enginesmith-*.whl)
 python3 -m zipfile -l "$WHEEL" | grep prebuilt/
-step venv python3 -m venv --system-site-packages "$W/venv" || exit 1
-step install "$W/venv/bin/pip" install -q --no-deps "$WHEEL" || exit 1
+# a fresh venv (without pip: ensurepip may be absent), the wheel installed into it by the outer pip
+step venv python3 -m venv --without-pip --system-site-packages "$W/venv" || exit 1
+VENV_SITE=$("$W/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
+step install python3 -m pip install -q --no-deps --target "$VENV_SITE" "$WHEEL" || exit 1
 # The staged packages (onnxruntime-gpu ...) without the enginesmith that verify.sh installed there; PATH
 # without nvcc (and without /tmp/site/bin's cmake and ninja); an empty cache, which must stay empty.
-for p in /tmp/site/*; do case "$(basename "$p")" in enginesmith*|bin) ;; *) ln -s "$p" "$W/pythonpath/" ;; esac; done
-NOCUDA=$(echo "$PATH" | tr ':' '\n' | while read -r d; do [ -x "$d/nvcc" ] || [ "$d" = /tmp/site/bin ] || echo "$d"; done | paste -sd:)
+SITE="${STAGED_SITE:-/tmp/site}"
+for p in "$SITE"/*; do case "$(basename "$p")" in enginesmith*|__editable__*|bin) ;; *) ln -s "$p" "$W/pythonpath/" ;; esac; done
+NOCUDA=$(echo "$PATH" | tr ':' '\n' | while read -r d; do [ -x "$d/nvcc" ] || [ "$d" = "$SITE/bin" ] || echo "$d"; done | paste -sd:)
 export PATH="$W/venv/bin:$NOCUDA" PYTHONPATH="$W/pythonpath" ENGINESMITH_CACHE="$W/cache"
+enginesmith() { "$W/venv/bin/python" -P -m enginesmith.cli "$@"; }
 unset CUDACXX ENGINESMITH_PLUGINS_BUILD ENGINESMITH_ORT_OPS_LIB ENGINESMITH_KERNELS_LIB
 echo "nvcc on PATH: $(command -v nvcc || echo none)"
 step doctor enginesmith doctor
@@ -64,8 +72,8 @@ o = {n: c[n]['details'].get('origin') for n in ('ops library', 'kernels library'
 assert set(o.values()) == {'wheel'}, 'not the wheel libraries'" "$OUT/doctor.json"
 step build enginesmith build --model "$MODEL" --dtype fp16 --for-cuda --custom-ops on --custom-attention \
     --capacity 1024 --out "$W/e"
-step bench enginesmith bench --engine "$W/e" --device cuda --prompt-tokens 128 --new-tokens 128 --repeats 3 \
-    --json > "$OUT/bench.json" && cat "$OUT/bench.json"
+step -o "$OUT/bench.json" bench enginesmith bench --engine "$W/e" --device cuda --prompt-tokens 128 \
+    --new-tokens 128 --repeats 3 --json && cat "$OUT/bench.json"
 step nothing-compiled bash -c "! ls '$W/cache/kernels' 2>/dev/null | grep -q ."
 echo "=== failed steps: $failed"
 exit "$failed"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import struct
 import warnings
 import zlib
@@ -32,6 +33,7 @@ from enginesmith.core.errors import UserError
 PACKAGE = "janeaustenr"
 INSTALL_FIX = "apt-get install -y --no-install-recommends r-cran-janeaustenr"
 DEFAULT_NOVEL = "prideprejudice"
+MAX_TEXT_BYTES = 1 << 30  # a --text / --calib-text file is read whole, then tokenized
 # Where Debian/Ubuntu and a local R install put site libraries; $R_LIBS* entries are tried first.
 _LIB_DIRS = ("/usr/lib/R/site-library", "/usr/local/lib/R/site-library", "/usr/lib/R/library")
 
@@ -113,13 +115,29 @@ def load_text(path: str | os.PathLike | None = None, novel: str = DEFAULT_NOVEL)
     if not p.is_file():
         raise UserError(f"{str(path)!r} is not a file", "pass a UTF-8 text file")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = _read_bounded(p).decode("utf-8")
+    except OSError as exc:  # /proc/self/mem (EIO), no permission, a file that vanished
+        raise UserError(f"text file {str(path)!r} cannot be read ({exc.strerror or type(exc).__name__})",
+                        "pass a readable UTF-8 text file") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"{str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})",
                         "convert it to UTF-8, e.g. iconv -t UTF-8") from None
     if not text.strip():
         raise UserError(f"text file {str(path)!r} is empty", "pass a file with some text in it")
     return text
+
+
+def _read_bounded(path: Path) -> bytes:
+    """A regular file's bytes, at most MAX_TEXT_BYTES (a device or FIFO is refused, never blocked on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UserError(f"{str(path)!r} is not a regular file", "pass a UTF-8 text file")
+        data = f.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise UserError(f"text file {str(path)!r} is larger than {MAX_TEXT_BYTES >> 20} MiB",
+                        "pass a smaller text file (the first part of it is enough)")
+    return data
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> np.ndarray:

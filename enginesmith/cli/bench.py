@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from enginesmith.cli import bench_serve
+from enginesmith.cli import bench_serve, bounds
 from enginesmith.cli.flags import (add_model_flags, add_speculative_flags, check_png, int_list, load_engine,
                                    speculative_config, speculative_decoder)
 from enginesmith.core.errors import UserError
@@ -89,9 +89,13 @@ def cmd_single(args) -> int:
     args.new_tokens = 64 if args.new_tokens is None else args.new_tokens
     args.batch = 1 if args.batch is None else args.batch
     args.repeats = 3 if args.repeats is None else args.repeats
+    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--new-tokens", args.new_tokens),
+                        ("--batch", args.batch), ("--repeats", args.repeats)):
+        bounds.positive(flag, value)
     spec = speculative_config(args)
     compare = _compare_list(args.compare)
-    loaded = load_engine(args)
+    loaded = load_engine(args, check=bounds.single_stream_check(args.batch, args.prompt_tokens, args.new_tokens,
+                                                                args.device))
     result = report.bench(loaded, args.prompt_tokens, args.new_tokens, args.batch, args.repeats,
                           compare=compare, threads=args.threads)
     if spec:
@@ -123,6 +127,15 @@ def _format_speculative(result: dict) -> str:
             f"{s['tokens_per_target_call'] or 0:.2f} tokens/target call, identical output: {s['identical']}")
 
 
+def _paged_config(args):
+    """--model (or the default model) with --requests: the paged engine for the device, built once and cached."""
+    from enginesmith.build.engine import BuildConfig  # deferred: imports the exporter (heavy)
+    from enginesmith.runtime.ort_engine import resolve_device  # deferred: imports onnxruntime
+
+    cuda = {"target": "ort-cuda", "dtype": "fp16"} if resolve_device(args.device) == "cuda" else {}
+    return BuildConfig(model=args.model, kv_layout="paged", **cuda)
+
+
 def cmd_offline(args) -> int:
     from enginesmith.measure import throughput  # deferred: imports onnxruntime (optional; --help works without)
     from enginesmith.runtime.load import paged_model  # deferred: imports onnxruntime
@@ -139,7 +152,8 @@ def cmd_offline(args) -> int:
         check_png(args.png)
     seed = 0 if args.seed is None else args.seed
     args.batch = args.max_batch_rows  # a CUDA paged engine opens with this many rows (default: its build's)
-    loaded = load_engine(args)
+    loaded = load_engine(args, None if args.engine else _paged_config(args),
+                         check=bounds.pool_check(args.num_pages, args.device))
     model = paged_model(loaded, args.num_pages)
     chunk = args.chunk or throughput.CHUNK
     if getattr(model, "max_chunk", None):  # the batcher caps it so too

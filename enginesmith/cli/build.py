@@ -9,6 +9,7 @@ from enginesmith.build import trt as trt_build
 from enginesmith.build.engine import BuildConfig, build
 from enginesmith.cli.flags import add_kv_flags, add_model_flags
 from enginesmith.core.errors import UserError
+from enginesmith.models import corpus
 
 
 def add_parser(verbs) -> None:
@@ -84,5 +85,7 @@ def cmd_build(args) -> int:
         trt_version=args.trt_version)
     if args.page_size is not None and args.kv != "paged":
         raise UserError(f"--page-size applies to --kv paged, not --kv {args.kv}", "add --kv paged, or drop --page-size")
+    if args.calib_text is not None:  # read at calibration, minutes in: a bad file fails here, at once
+        corpus.load_text(args.calib_text)
     print(build(config, Path(args.out), force=args.force))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from enginesmith.cli.flags import add_kv_flags, add_model_flags, build_config, load_engine
+from enginesmith.cli.flags import add_kv_flags, add_model_flags, build_config, check_png, load_engine
 from enginesmith.core.errors import UserError
 from enginesmith.models import corpus
 
@@ -27,6 +27,8 @@ def add_parser(verbs) -> None:
 def cmd_eval(args) -> int:
     from enginesmith.measure import report  # deferred: imports onnxruntime (optional; --help works without)
 
+    if args.text is not None:  # a missing, unreadable or non-UTF-8 file: one line before the engine loads
+        corpus.load_text(args.text)
     if args.kv:
         return _eval_stream(args)
     loaded = load_engine(args)
@@ -52,6 +54,8 @@ def _eval_stream(args) -> int:
                "ring": build_config(args, "ring"), "window": build_config(args, "ring", 0, capacity)}
     if not 1 <= args.stride <= capacity:
         raise UserError(f"--stride {args.stride} is outside [1, {capacity}]", "use a stride within the window")
+    if args.plot:
+        check_png(args.plot, "--plot")
     opened: dict = {}
     runs, ids = [], None
     for policy in policies:

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.cli import bounds
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
+from enginesmith.core.out_paths import check_out
 from enginesmith.runtime.chat import stop_token_ids
 from enginesmith.runtime.generate import GenerationConfig
 from enginesmith.runtime.sampling import SamplingParams
@@ -32,12 +34,13 @@ if TYPE_CHECKING:
 
 def add_model_flags(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g = p.add_argument_group("model (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--model", metavar="PATH", help="HF checkpoint dir, GGUF file, or tiny:<family>")
+    g.add_argument("--model", metavar="PATH", type=bounds.nonempty, help="HF checkpoint dir, GGUF file, or tiny:<family>")
     if engine:
-        g.add_argument("--engine", metavar="DIR", help="an engine directory from `enginesmith build`")
+        g.add_argument("--engine", metavar="DIR", type=bounds.nonempty, help="an engine directory from `enginesmith build`")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="ONNX Runtime device")
-        g.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+        g.add_argument("--threads", type=bounds.threads, default=None,
+                       help="intra-op threads, at most twice the cores (default: all cores)")
+        g.add_argument("--gpu-memory-utilization", type=bounds.fraction, default=0.9, metavar="FRACTION",
                        help="a --for-cuda --kv paged engine sizes its KV page pool to this share of the GPU's "
                             "memory, weights and activations included (default 0.9)")
 
@@ -131,9 +134,10 @@ def build_config(args, kv: str | None = None, sinks: int | None = None, window: 
                        page_size=getattr(args, "page_size", 16), kv_budget=getattr(args, "kv_budget", 1024))
 
 
-def load_engine(args, config: BuildConfig | None = None):
+def load_engine(args, config: BuildConfig | None = None, check=None):
     """The LoadedEngine for --engine, --model or the default (built and cached on first use), through
-    the runtime's one front door; a CUDA-lowered engine gets KV rows for every prompt (or bench's --batch)."""
+    the runtime's one front door; a CUDA-lowered engine gets KV rows for every prompt (or bench's --batch).
+    `check(manifest)` runs before the engine opens (memory bounds: nothing is allocated yet)."""
     from enginesmith.runtime.load import open_engine  # deferred: imports onnxruntime (optional)
 
     if args.engine and args.model:
@@ -142,6 +146,8 @@ def load_engine(args, config: BuildConfig | None = None):
         raise UserError("--kv was given with --engine, whose KV layout was fixed when it was built",
                         "leave out --engine, or build the engine with `enginesmith build --kv ring`")
     path = Path(args.engine) if args.engine else cached_engine(config or build_config(args))
+    if check is not None:
+        check(engine_dir.read_manifest(path))
     rows = max(1, len(getattr(args, "prompt", []) or []), getattr(args, "batch", 1) or 1)
     return open_engine(path, device=args.device, threads=args.threads, max_batch=rows,
                        num_pages=getattr(args, "num_pages", None),
@@ -180,10 +186,12 @@ def int_list(text: str, flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def check_png(path: str) -> None:
-    """--png FILE is writable as a plot before a long run: matplotlib is there, the folder exists."""
+def check_png(path: str, flag: str = "--png") -> None:
+    """--png FILE is writable as a plot before a long run: matplotlib is there, the folder exists, the
+    path names a regular file (or nothing yet)."""
     from enginesmith.measure.throughput import require_matplotlib  # deferred: imports onnxruntime (optional)
 
     require_matplotlib()
+    check_out(path, flag, "file")
     if not Path(path).expanduser().resolve().parent.is_dir():
-        raise UserError(f"--png {path}: its folder does not exist", "create the folder or give another path")
+        raise UserError(f"{flag} {path}: its folder does not exist", "create the folder or give another path")

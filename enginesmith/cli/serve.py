@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.cli import bounds
 from enginesmith.cli.flags import add_model_flags, load_engine
 from enginesmith.core.errors import UserError
 from enginesmith.serving.replicas import FRONT_DOOR_PID_ENV, ReplicaSet, ReplicaSpec, cuda_visible, watch_front_door
@@ -62,7 +63,7 @@ def add_parser(verbs) -> None:
                    help="TCP port (default 8000; 0: a free one, named in the ready line)")
     g.add_argument("--model-name", default=None, metavar="NAME",
                    help="the `model` clients send (default: the engine's source model, e.g. tiny:llama)")
-    g.add_argument("--api-key", default=None, metavar="KEY",
+    g.add_argument("--api-key", default=None, metavar="KEY", type=bounds.secret,
                    help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, which keeps the key "
                         "out of the process list; none: open)")
     g.add_argument("--max-waiting", type=int, default=256, metavar="N",

@@ -255,7 +255,9 @@ def _check_graph(root: Path, manifest: Manifest, fix: str) -> None:
     if manifest.files[manifest.graph].size > MAX_GRAPH_PROTO_BYTES:
         raise EngineError(f"{root / manifest.graph} is larger than an ONNX protobuf may be", fix)
     try:
-        model = onnx.load(str(root / manifest.graph), load_external_data=False)
+        # the bytes as protobuf, as ONNX Runtime reads them: onnx picks a JSON or text parser by the file's
+        # extension otherwise (a "graph": "x.json" raised its ParseError)
+        model = onnx.load(str(root / manifest.graph), format="protobuf", load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError, RecursionError) as exc:
         raise EngineError(f"{root / manifest.graph} is not a valid ONNX model ({type(exc).__name__})", fix) from None
     for tensor in _tensors(model.graph):

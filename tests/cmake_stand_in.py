@@ -1,5 +1,6 @@
 """A stand-in for plugins/compile.py's run_cmake (CMake + nvcc) in the tests of the compile cache's
-locking and growth, which would otherwise compile the CUDA sources for minutes. It "links" each
+locking and growth and of the wheel hook's compile path, which would otherwise compile the CUDA
+sources for minutes. It "links" each
 requested target's library into the build folder and records the call; the real CMake path is tested
 where the libraries are really compiled (tests/test_wheel.py's build, the GPU test of test_install.py).
 

@@ -24,6 +24,7 @@ import pytest
 from enginesmith.core.errors import UserError
 from enginesmith.plugins import compile as plugin_compile
 from enginesmith.plugins import prebuilt
+from cmake_stand_in import stand_in_run_cmake
 from external import missing
 from plugin_build import compile_targets
 
@@ -290,6 +291,30 @@ def test_the_hook_stages_a_checked_build_folder(cmake_folder, tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted([*LIBS, "meta.json"])
     assert json.loads((tmp_path / "p" / "meta.json").read_text()) == meta
     assert meta["archs"] == ["90"] and set(meta["libraries"]) == set(LIBS) and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("trt", [False, True])
+def test_without_a_build_folder_the_hook_compiles_the_targets(tmp_path, monkeypatch, trt):
+    """No $ENGINESMITH_PREBUILT_FROM: run_cmake compiles exactly the wheel's targets in the build's temp
+    folder (CMake and nvcc stood in for: tests/cmake_stand_in.py); TENSORRT_ROOT adds the plugins."""
+    monkeypatch.setenv("STAND_IN_CALLS", str(tmp_path / "calls.txt"))
+    monkeypatch.setattr(plugin_compile, "run_cmake", stand_in_run_cmake)
+    monkeypatch.setattr(plugin_compile, "find_nvcc", lambda: None)  # the meta says what it found
+    monkeypatch.setenv(prebuilt.ARCHS_ENV, "80;90")
+    monkeypatch.delenv(prebuilt.FROM_ENV, raising=False)
+    if trt:
+        monkeypatch.setenv(prebuilt.TRT_ENV, str(tmp_path / "tensorrt"))
+    else:
+        monkeypatch.delenv(prebuilt.TRT_ENV, raising=False)
+    said: list[str] = []
+    meta = prebuilt.stage_from_environment(tmp_path / "p", tmp_path / "w", say=said.append)
+    targets = ["enginesmith_ort_ops", "enginesmith_kernels"] + ["enginesmith_trt_plugins"] * trt
+    assert (tmp_path / "calls.txt").read_text().split() == [str(tmp_path / "w" / "enginesmith-kernels"), *targets]
+    assert said[0] == f"enginesmith: compiling {', '.join(targets)} for sm 80;90 into the wheel ..."
+    assert said[-1].startswith("enginesmith: compiled in ")
+    assert meta["from"] == "compiled" and meta["archs"] == ["80", "90"] and meta["trt"] == trt
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(
+        [*(f"lib{t}.so" for t in targets), "meta.json"])
 
 
 @pytest.mark.parametrize("change, words", [

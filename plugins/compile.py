@@ -192,9 +192,10 @@ def locate(name: str, any_arch: bool = False) -> Located | None:
 
 
 def ensure(name: str, progress: bool = True) -> Path:
-    """Library `name`'s path, compiled into the cache first if it is not there (for this machine's
-    GPU). A variable that names a missing file, or a machine without a GPU and without a compiled
-    entry, is a UserError that says what to do."""
+    """Library `name`'s path, its CMake target alone compiled into the cache first if it is not there
+    (for this machine's GPU; where no nvcc is installed, a wheel's PTX for an older arch is taken
+    instead). A variable that names a missing file, or a machine without a GPU and without a compiled
+    library, is a UserError that says what to do."""
     where = locate(name, any_arch=True)
     if where is not None and where.built:
         return where.path

@@ -443,6 +443,11 @@ class ContinuousBatcher:
             # whatever it is batched with.
             groups = [([i for i, n in enumerate(counts) if n == 1], 1),
                       ([i for i, n in enumerate(counts) if n > 1], self.chunk)]
+        elif max(counts) > 1 and min(counts) == 1 and len(rows) * max(counts) > 2 * sum(counts):
+            # Decode rows beside a prompt chunk would be padded to its width (8 rows x 128 columns for ~135
+            # real tokens): they run as their own forward of width 1 instead.
+            groups = [([i for i, n in enumerate(counts) if n == 1], 1),
+                      ([i for i, n in enumerate(counts) if n > 1], max(counts))]
         else:
             groups = [(list(range(len(rows))), max(counts))]
         forwards = [self._forward([rows[i] for i in members], [counts[i] for i in members], width)

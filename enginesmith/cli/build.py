@@ -3,12 +3,11 @@ Runtime CUDA (--for-cuda) or TensorRT (--backend trt)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from enginesmith.build import trt as trt_build
 from enginesmith.build.engine import BuildConfig, build
 from enginesmith.cli.flags import add_kv_flags, add_model_flags
 from enginesmith.core.errors import UserError
+from enginesmith.core.out_paths import check_out
 from enginesmith.models import corpus
 
 
@@ -87,5 +86,5 @@ def cmd_build(args) -> int:
         raise UserError(f"--page-size applies to --kv paged, not --kv {args.kv}", "add --kv paged, or drop --page-size")
     if args.calib_text is not None:  # read at calibration, minutes in: a bad file fails here, at once
         corpus.load_text(args.calib_text)
-    print(build(config, Path(args.out), force=args.force))
+    print(build(config, check_out(args.out, "--out", "dir"), force=args.force))
     return 0

@@ -61,8 +61,8 @@ def check_out(text: str | os.PathLike, flag: str, want: str = "file") -> Path:
         raise UserError(f"{flag} {raw}: cannot be inspected ({exc.strerror})", f"give {flag} another path") from None
     wanted = stat.S_ISDIR(st.st_mode) if want == "dir" else stat.S_ISREG(st.st_mode)
     if not wanted:
-        noun = "a folder" if want == "dir" else "a regular file"
-        raise UserError(f"{flag} {raw} is {_kind(st)}; {flag} writes {noun} and never writes into anything else",
+        noun = "a directory" if want == "dir" else "a regular file"
+        raise UserError(f"{flag} {raw} is {_kind(st)}, not {noun}; enginesmith never writes into anything else",
                         f"give {flag} another path")
     return path
 

@@ -188,9 +188,13 @@ def test_cuda_matches_cpu(ops_lib, kv, b, s, g, d, bs, past, softcap, window):
     model = _model(g * HKV, kv, **_options(softcap, window))
     want = _session(model, ops_lib).run(None, feeds)
     cuda = _session(model, ops_lib, cuda="user")
+    # Quantized pages: the kernel folds K's channel scales into the fp16 query registers (q_d * s_d rounded
+    # to fp16, kernels.cuh scale_query), one more rounding of every score term than the fp32 CPU kernel:
+    # with soft-capped scores near the cap that is ~2.6e-3 relative on the output (H200, int8, cap 30).
+    tol = 2e-3 if kv == "fp16" else 4e-3
     for _ in range(3):
         got = cuda.run(None, feeds)
-        _close(got[0], want[0], real)
+        _close(got[0], want[0], real, tol)
         assert np.array_equal(got[2], want[2])
         if kv == "fp16":
             k, w = got[1].astype(np.float32), want[1].astype(np.float32)

@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,9 @@ require_module("uvicorn", "pip install starlette uvicorn")
 MODEL = "tiny:llama"
 KEY = "test-key-1234"
 READY = re.compile(r"enginesmith serve: (http://127\.0\.0\.1:\d+)")
-REPO = Path(__file__).resolve().parents[2]
+# Where the CLI processes the tests start run: not the checkout, whose enginesmith/ folder would shadow the
+# installed package (python -m puts the working directory first on sys.path).
+RUN_DIR = Path(tempfile.gettempdir())
 PROMPTS = [f"Prompt number {i}: tell me about {w}" for i, w in
            enumerate("cats dogs rivers mountains clouds trains bread music stars ships maps clocks lamps roads "
                      "birds trees stones coins books doors fires winds rains snows hills lakes seas caves "
@@ -57,7 +60,7 @@ class Server:
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "enginesmith.cli", "serve", "--engine", str(engine), "--port", "0",
-                 "--threads", "1", *flags], stdout=out, stderr=err, cwd=REPO, env={**os.environ, **(env or {})})
+                 "--threads", "1", *flags], stdout=out, stderr=err, cwd=RUN_DIR, env={**os.environ, **(env or {})})
         self.url = ""
 
     def wait_ready(self, timeout: float = 60.0) -> "Server":
@@ -445,7 +448,7 @@ def test_sigterm_drains_open_streams_then_exits_0(engine, tmp_path):
 def test_bad_flags_and_engines_fail_in_one_line(engine, tiny_engine):
     def serve(*flags):
         return subprocess.run([sys.executable, "-m", "enginesmith.cli", "serve", *flags], capture_output=True,
-                              text=True, timeout=120, cwd=REPO)
+                              text=True, timeout=120, cwd=RUN_DIR)
 
     dense = serve("--engine", str(tiny_engine("llama")), "--port", "0")
     assert dense.returncode == 2 and "--kv paged" in dense.stderr and len(dense.stderr.strip().splitlines()) == 1

@@ -32,7 +32,7 @@ import pytest
 
 import hostile
 from external import require_module
-from test_serve import KEY, REPO, Server
+from test_serve import KEY, RUN_DIR, Server
 from test_serve_replicas import stop_all
 
 require_module("uvicorn", "pip install starlette uvicorn")
@@ -190,7 +190,7 @@ ACCEPT_FLOOD = textwrap.dedent("""
 def test_failed_accepts_are_one_line_not_a_traceback_each(tmp_path):
     err = tmp_path / "stderr.txt"
     with open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", ACCEPT_FLOOD], cwd=REPO, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", ACCEPT_FLOOD], cwd=RUN_DIR, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True)
     socks = []
     try:
@@ -217,5 +217,5 @@ def test_failed_accepts_are_one_line_not_a_traceback_each(tmp_path):
 ])
 def test_bad_limit_flags_fail_in_one_line(flags, message):
     proc = subprocess.run([sys.executable, "-m", "enginesmith.cli", "serve", "--engine", "/nonexistent", *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+                          cwd=RUN_DIR, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from external import needs_cuda, require_module
-from test_serve import (KEY, MODEL, PROMPTS, REPO, Server, answer, concurrent_answers, parse_prometheus, streamed,
+from test_serve import (KEY, MODEL, PROMPTS, RUN_DIR, Server, answer, concurrent_answers, parse_prometheus, streamed,
                         wait_for)
 
 openai = require_module("openai", "pip install openai")
@@ -267,7 +267,7 @@ def test_a_front_door_worker_that_dies_stops_the_server_with_exit_1(paged_engine
 def test_a_replica_that_cannot_start_gives_one_line(tiny_engine):
     dense = subprocess.run([sys.executable, "-m", "enginesmith.cli", "serve", "--engine", str(tiny_engine("llama")),
                             "--port", "0", "--threads", "1", "--replicas", "2"],
-                           capture_output=True, text=True, timeout=120, cwd=REPO)
+                           capture_output=True, text=True, timeout=120, cwd=RUN_DIR)
     assert dense.returncode == 2, dense.stderr
     assert dense.stderr.startswith("error: replica ") and "did not start" in dense.stderr and "--kv paged" in dense.stderr
     assert len(dense.stderr.strip().splitlines()) == 1, dense.stderr

@@ -34,6 +34,13 @@ def target_arch() -> str:
     return "90" if os.environ.get("ENGINESMITH_TEST_STRICT") == "1" else "90-virtual"
 
 
+def configure_flags(archs: str) -> list[str]:
+    """Without a GPU and outside strict mode (a PTX-only build, nothing runs the kernels) the attention
+    kernels' plain variants are left out (ENGINESMITH_PLAIN_VARIANTS=OFF: half the kernels; every
+    variant that serves calls with options is still compiled); else the build users get."""
+    return ["-DENGINESMITH_PLAIN_VARIANTS=OFF"] if archs.endswith("-virtual") else []
+
+
 def shared_root() -> Path:
     return Path(tempfile.gettempdir()) / f"enginesmith-tests-{os.getuid()}"
 
@@ -66,6 +73,7 @@ def compile_targets(config: pytest.Config, targets: tuple[str, ...], archs: str 
     out = shared_root() / f"plugins-sm{tag}{'-trt' if trt else ''}"
     out.mkdir(parents=True, exist_ok=True)
     configure, build = plugin_compile.cmake_commands(out, archs, trt, trt_root, jobs=os.cpu_count() or 2)
+    configure += configure_flags(archs)
     with open(out / ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         started = time.monotonic()

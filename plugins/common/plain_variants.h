@@ -1,11 +1,15 @@
-// Attention kernels and their options (soft-capping, sliding windows): one compiled variant reads the
-// options at run time (uniform branches, skipped when off), so every kernel group compiles once.
+// Attention kernels and their options (soft-capping, sliding windows). Each kernel group compiles a
+// variant that reads the options at run time (uniform branches, skipped when off) and, with
+// ES_PLAIN_VARIANTS=1 (CMake option ENGINESMITH_PLAIN_VARIANTS, default ON), a plain one, the options
+// compiled away, that serves every call without options.
 //
-// ES_PLAIN_VARIANTS=1 (CMake option ENGINESMITH_PLAIN_VARIANTS, default OFF) also compiles each
-// kernel's plain variant, the options compiled away, and uses it for calls without options: twice the
-// kernels and the compile time. It exists to measure what the run-time options cost: in such a build,
-// ES_OPTIONS_KERNEL=1 in the environment sends every call to the options variant, so one process
-// times both (benchmarks/device/verify.sh).
+// Why both, measured on an H200 (benchmarks/device/options_cost.sh, 2026-11-27, two rounds, GPU time per
+// call): the options variant costs the dense op's decode kernel 7-15 % at batch 1 (7.6 -> 8.8 us at 300
+// past tokens, 13.2 -> 14.1 at 3000, 14.0 -> 15.3 at 7000) and the paged kernel 3-5 % at batch 1 (1k:
+// 6.1 -> 6.3 us, 8k: 11.2 -> 11.5), under 0.5 % at batch 16. The plain variants double the kernels and
+// the compile time: OFF is for test builds on machines without a GPU (nothing runs the kernels there).
+// In a build with them, ES_OPTIONS_KERNEL=1 in the environment sends every call to the options variant,
+// so one process times both.
 #pragma once
 
 #include <cstdlib>

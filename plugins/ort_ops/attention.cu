@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/plain_variants.h"
 #include "attention_decode.h"
 #include "attention_prefill.h"
 #include "rotary.cuh"
@@ -19,13 +20,24 @@ using attention_decode::kMaxSplits;
 using attention_decode::max_rows;
 using attention_decode::min_keys_per_split;
 
+// The plain variant unless the call has options (or ES_OPTIONS_KERNEL=1; common/plain_variants.h).
+template <KvFormat KV, int D>
+cudaError_t launch_group(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
+                         cudaStream_t stream) {
+#if ES_PLAIN_VARIANTS
+  if (p.softcap <= 0.f && p.window <= 0 && !options_kernel_forced())
+    return attention_decode::launch<KV, D, false>(p, plan, partials, counters, stream);
+#endif
+  return attention_decode::launch<KV, D, true>(p, plan, partials, counters, stream);
+}
+
 template <KvFormat KV>
 cudaError_t launch_format(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                           cudaStream_t stream) {
   switch (p.D) {  // attention_check: 64, 128 or 256
-    case 64: return attention_decode::launch<KV, 64>(p, plan, partials, counters, stream);
-    case 128: return attention_decode::launch<KV, 128>(p, plan, partials, counters, stream);
-    default: return attention_decode::launch<KV, 256>(p, plan, partials, counters, stream);
+    case 64: return launch_group<KV, 64>(p, plan, partials, counters, stream);
+    case 128: return launch_group<KV, 128>(p, plan, partials, counters, stream);
+    default: return launch_group<KV, 256>(p, plan, partials, counters, stream);
   }
 }
 

@@ -19,7 +19,6 @@
 
 #include <type_traits>
 
-#include "../common/plain_variants.h"
 #include "attention_decode.h"
 #include "launch.cuh"
 #include "rotary.cuh"
@@ -455,9 +454,9 @@ cudaError_t launch_dr(const AttentionProblem& p, const AttentionPlan& plan, floa
                        plan.dependent, p, plan.tile_tokens, plan.tiles, plan.splits, partials, counters);
 }
 
-template <int D, bool kOptions, KvFormat KV>
-cudaError_t launch_d(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
-                     cudaStream_t stream) {
+template <KvFormat KV, int D, bool kOptions>
+cudaError_t launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
+                   cudaStream_t stream) {
   switch (plan.rows_max) {
     case 4: return launch_dr<D, 4, kOptions, KV>(p, plan, partials, counters, stream);
     case 8: return launch_dr<D, 8, kOptions, KV>(p, plan, partials, counters, stream);
@@ -465,16 +464,6 @@ cudaError_t launch_d(const AttentionProblem& p, const AttentionPlan& plan, float
       if constexpr (max_rows(D) >= 16) return launch_dr<D, 16, kOptions, KV>(p, plan, partials, counters, stream);
       return cudaErrorInvalidValue;  // attention_plan never asks for it (attention_check: at most 8 per KV head)
   }
-}
-
-template <KvFormat KV, int D>
-cudaError_t launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
-                   cudaStream_t stream) {
-#if ES_PLAIN_VARIANTS
-  if (p.softcap <= 0.f && p.window <= 0 && !options_kernel_forced())
-    return launch_d<D, false, KV>(p, plan, partials, counters, stream);
-#endif
-  return launch_d<D, true, KV>(p, plan, partials, counters, stream);
 }
 
 }  // namespace attention_decode

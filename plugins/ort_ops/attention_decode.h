@@ -1,9 +1,9 @@
 // The dense attention op's decode kernel: its launch shape (shared by the planner, attention.cu, and
 // the kernel, attention_decode.cuh) and the launcher of one instantiation group.
 //
-// The kernel is compiled in groups, one translation unit per (KV format, head size): CMakeLists.txt
-// compiles attention_decode_instance.cu once per group with ES_INSTANCE_KV / ES_INSTANCE_D (as
-// FlashAttention splits its kernels per head size), so a build uses every core.
+// The kernel is compiled in groups, one translation unit per (KV format, head size, variant):
+// CMakeLists.txt compiles attention_decode_instance.cu once per group with ES_INSTANCE_KV / ES_INSTANCE_D /
+// ES_INSTANCE_OPTIONS (as FlashAttention splits its kernels per head size), so a build uses every core.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +26,10 @@ __host__ __device__ constexpr int max_rows(int D) { return D == 256 ? 8 : 16; }
 __host__ __device__ constexpr int min_keys_per_split(int D, int R) { return warps_for(D, R) * kKeyTile; }
 constexpr int kMaxSplits = 64;
 
-// Launches the decode kernel for problems of KV format KV and head size D (the group's variants: rows
-// per block, soft-capping, windows). Defined in attention_decode.cuh, instantiated per group.
-template <KvFormat KV, int D>
+// Launches the decode kernel for problems of KV format KV and head size D, the variant that reads the
+// options (soft-capping, windows) or the plain one (common/plain_variants.h), at the plan's rows per block.
+// Defined in attention_decode.cuh, instantiated per group.
+template <KvFormat KV, int D, bool kOptions>
 cudaError_t launch(const AttentionProblem& p, const AttentionPlan& plan, float* partials, int32_t* counters,
                    cudaStream_t stream);
 

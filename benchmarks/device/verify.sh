@@ -22,7 +22,7 @@
 #                             every figure with its peer and the command that produced it
 #   tests.log                 pytest -v of the GPU suite (written as it runs: a cut run still names failures)
 #   figures.tar.gz            raw JSON of the figures, ninja's per-file log, every step's log
-#   libs.tar.gz               the compiled libraries + verify_libs.json (carry it as .device-libs/libs.tar.gz)
+#   libs.tar.xz.partNN        the compiled libraries + verify_libs.json, xz, in 15 MiB parts (carry them in .device-libs/)
 #   verify.log                this script's own progress lines
 # A failing or timed-out step is recorded and the script goes on; the exit status is 0 when every step ran ok.
 set -uo pipefail
@@ -170,7 +170,9 @@ if wants setup; then
         echo "export PYTHONPATH=/tmp/site\${PYTHONPATH:+:\$PYTHONPATH}"
         echo "export ENGINESMITH_CACHE=$V/cache"
         [ -d "$V/janeaustenr/data" ] && echo "export ENGINESMITH_JANEAUSTENR=$V/janeaustenr"
-    } > "$V/env.sh"
+        # the libraries of an earlier build phase on this machine stay chosen
+        grep "ENGINESMITH_\(ORT_OPS_LIB\|KERNELS_LIB\|PLUGINS_BUILD\)" "$V/env.sh" 2>/dev/null
+    } > "$V/env.sh.new" && mv "$V/env.sh.new" "$V/env.sh"
     source "$V/env.sh"
 fi
 export ENGINESMITH_CACHE="${ENGINESMITH_CACHE:-$V/cache}"
@@ -190,11 +192,11 @@ if wants build; then
     unset ENGINESMITH_PLUGINS_BUILD ENGINESMITH_ORT_OPS_LIB ENGINESMITH_KERNELS_LIB
     SHA=$(python3 -P -c "from enginesmith.plugins.compile import sources_sha256; print(sources_sha256())" 2>/dev/null)
     ORTV=$(python3 -P -c "import onnxruntime as o; print(o.__version__)" 2>/dev/null)
-    CARRIED="$REPO/.device-libs/libs.tar.gz"
+    CARRIED="$REPO/.device-libs/libs.tar.xz.part00"
     reuse=0
     if [ -f "$CARRIED" ]; then
         rm -rf "$V/libs-carried" && mkdir -p "$V/libs-carried"
-        if tar xzf "$CARRIED" -C "$V/libs-carried" && python3 - "$V/libs-carried/verify_libs.json" "$SHA" "$ARCH" "$ORTV" <<'PY'
+        if cat "$REPO"/.device-libs/libs.tar.xz.part* | tar xJf - -C "$V/libs-carried" && python3 - "$V/libs-carried/verify_libs.json" "$SHA" "$ARCH" "$ORTV" <<'PY'
 import json, sys
 meta = json.load(open(sys.argv[1]))
 want = dict(zip(("sources_sha256", "arch", "onnxruntime"), sys.argv[2:]))
@@ -242,12 +244,10 @@ PY
     fi
     if [ -f "${ENGINESMITH_ORT_OPS_LIB:-/nonexistent}" ]; then
         L=$(dirname "$ENGINESMITH_ORT_OPS_LIB")
-        tar czf "$OUT/libs.tar.gz" -C "$L" libenginesmith_ort_ops.so libenginesmith_kernels.so verify_libs.json
-        echo "verify: $OUT/libs.tar.gz $(du -h "$OUT/libs.tar.gz" | cut -f1) (carry it as .device-libs/libs.tar.gz)"
-        if [ "$(stat -c %s "$OUT/libs.tar.gz")" -gt $((16 * 1024 * 1024)) ]; then
-            echo "verify: libs.tar.gz is over 16 MiB and would not come back: left out"
-            mv "$OUT/libs.tar.gz" "$V/libs.tar.gz.too-big"
-        fi
+        # xz, in parts of 15 MiB: a file over 16 MiB would not come back (sm_90 alone: ~13 MiB xz, 18 MiB gz)
+        tar cJf - -C "$L" libenginesmith_ort_ops.so libenginesmith_kernels.so verify_libs.json |
+            split -b 15m -d - "$OUT/libs.tar.xz.part"
+        echo "verify: $(ls "$OUT"/libs.tar.xz.part* | wc -l) part(s) of libs.tar.xz, $(cat "$OUT"/libs.tar.xz.part* | wc -c) bytes (carry them in .device-libs/)"
     fi
     step build doctor 60 bash -c "${ES[*]} doctor; exit 0"   # informational: where the libraries come from
 fi

@@ -56,6 +56,9 @@ python3 -m zipfile -l "$WHEEL" | grep prebuilt/
 step venv python3 -m venv --without-pip --system-site-packages "$W/venv" || exit 1
 VENV_SITE=$("$W/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['platlib'])")
 step install python3 -m pip install -q --no-deps --target "$VENV_SITE" "$WHEEL" || exit 1
+# --system-site-packages reaches the base interpreter's packages only; where python3 is itself a venv (the
+# device's torch venv) its packages (torch, transformers, tqdm ...) come in through a .pth file.
+python3 -c "import site; print('\n'.join(site.getsitepackages()))" > "$VENV_SITE/outer-site-packages.pth"
 # The staged packages (onnxruntime-gpu ...) without the enginesmith that verify.sh installed there; PATH
 # without nvcc (and without /tmp/site/bin's cmake and ninja); an empty cache, which must stay empty.
 SITE="${STAGED_SITE:-/tmp/site}"

@@ -36,9 +36,9 @@ def target_arch() -> str:
 
 def configure_flags(archs: str) -> list[str]:
     """Without a GPU and outside strict mode (a PTX-only build, nothing runs the kernels) the attention
-    kernels' plain variants are left out (ENGINESMITH_PLAIN_VARIANTS=OFF: half the kernels; every
+    kernels' plain variants are left out (ENGINESMITH_PLAIN_VARIANTS=none: fewer kernels; every
     variant that serves calls with options is still compiled); else the build users get."""
-    return ["-DENGINESMITH_PLAIN_VARIANTS=OFF"] if archs.endswith("-virtual") else []
+    return ["-DENGINESMITH_PLAIN_VARIANTS=none"] if archs.endswith("-virtual") else []
 
 
 def shared_root() -> Path:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What reading soft-capping and windows at run time costs the attention kernels (plugins/common/
-# plain_variants.h): builds the ops and kernels libraries with ENGINESMITH_PLAIN_VARIANTS=ON (each
+# plain_variants.h): builds the ops and kernels libraries with ENGINESMITH_PLAIN_VARIANTS=all (each
 # kernel's plain variant beside the options one), then times the same calls twice in separate
 # processes, ES_OPTIONS_KERNEL=0 (plain variants) and =1 (options variants), twice each, alternating:
 #   the dense attention op (benchmarks/gpu/attention_op.py: decode and prompt points, GPU time per call)
@@ -16,7 +16,7 @@ LOG="$OUT_DIR/options_cost.log"
   echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), sm_$ARCH"
   start=$(date +%s)
   cmake -S plugins -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
-    -DENGINESMITH_BUILD_TRT_PLUGINS=OFF -DENGINESMITH_PLAIN_VARIANTS=ON >/dev/null &&
+    -DENGINESMITH_BUILD_TRT_PLUGINS=OFF -DENGINESMITH_PLAIN_VARIANTS=all >/dev/null &&
     ninja -C "$BUILD" enginesmith_ort_ops enginesmith_kernels >/dev/null || { echo "build failed"; exit 1; }
   echo "plain-variants build: $(( $(date +%s) - start )) s"
   export ENGINESMITH_ORT_OPS_LIB="$BUILD/libenginesmith_ort_ops.so" ENGINESMITH_KERNELS_LIB="$BUILD/libenginesmith_kernels.so"

@@ -1,15 +1,17 @@
 // Attention kernels and their options (soft-capping, sliding windows). Each kernel group compiles a
-// variant that reads the options at run time (uniform branches, skipped when off) and, with
-// ES_PLAIN_VARIANTS=1 (CMake option ENGINESMITH_PLAIN_VARIANTS, default ON), a plain one, the options
-// compiled away, that serves every call without options.
+// variant that reads the options at run time (uniform branches, skipped when off); where that was
+// measured slower, also a plain one, the options compiled away, for every call without options.
 //
-// Why both, measured on an H200 (benchmarks/device/options_cost.sh, 2026-11-27, two rounds, GPU time per
-// call): the options variant costs the dense op's decode kernel 7-15 % at batch 1 (7.6 -> 8.8 us at 300
-// past tokens, 13.2 -> 14.1 at 3000, 14.0 -> 15.3 at 7000) and the paged kernel 3-5 % at batch 1 (1k:
-// 6.1 -> 6.3 us, 8k: 11.2 -> 11.5), under 0.5 % at batch 16. The plain variants double the kernels and
-// the compile time: OFF is for test builds on machines without a GPU (nothing runs the kernels there).
-// In a build with them, ES_OPTIONS_KERNEL=1 in the environment sends every call to the options variant,
-// so one process times both.
+// Measured on an H200 (benchmarks/device/options_cost.sh, 2026-11-27, two rounds, GPU time per call):
+//   the dense op's decode kernel (batch-1 decode): options variant 7-15 % slower (7.6 -> 8.8 us at 300
+//     past tokens, 13.2 -> 14.1 at 3000, 14.0 -> 15.3 at 7000): its plain variants are compiled
+//     (ES_PLAIN_VARIANTS, CMake ENGINESMITH_PLAIN_VARIANTS=dense, the default);
+//   the paged kernel (serving, batched): 0.3 us at batch 1 (1k: 6.1 -> 6.3 us, 8k: 11.2 -> 11.5), under
+//     0.5 % at batch 16: the options variant serves every call (its plain variants, twice the paged
+//     kernels, only with ENGINESMITH_PLAIN_VARIANTS=all: ES_PAGED_PLAIN_VARIANTS).
+// ENGINESMITH_PLAIN_VARIANTS=none compiles no plain variant: test builds on machines without a GPU.
+// In a build with plain variants, ES_OPTIONS_KERNEL=1 in the environment sends every call to the options
+// variant, so one process times both.
 #pragma once
 
 #include <cstdlib>
@@ -17,6 +19,9 @@
 
 #ifndef ES_PLAIN_VARIANTS
 #define ES_PLAIN_VARIANTS 0
+#endif
+#ifndef ES_PAGED_PLAIN_VARIANTS
+#define ES_PAGED_PLAIN_VARIANTS 0
 #endif
 
 namespace enginesmith {

@@ -23,14 +23,14 @@ Variant make_variant() {
 }
 
 // The options variants (kExt: soft-capping, windows, read at run time) serve every call; with
-// ES_PLAIN_VARIANTS (common/plain_variants.h) calls without options take the plain ones.
+// ES_PAGED_PLAIN_VARIANTS (common/plain_variants.h) calls without options take the plain ones.
 template <typename T, int D, int BS, KvFormat KV>
 Entry make_entry() {
     static std::atomic<int> slots{0};
     constexpr DType dtype = std::is_same<T, __half>::value ? DType::kFloat16 : DType::kBFloat16;
     const Variant single_ext = make_variant<T, D, BS, KV, 1, true>();
     const Variant multi_ext = make_variant<T, D, BS, KV, kMultiTiles, true>();
-#if ES_PLAIN_VARIANTS
+#if ES_PAGED_PLAIN_VARIANTS
     return Entry{dtype, KV, D, BS, make_variant<T, D, BS, KV, 1, false>(),
         make_variant<T, D, BS, KV, kMultiTiles, false>(), single_ext, multi_ext, &slots};
 #else

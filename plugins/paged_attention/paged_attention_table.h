@@ -34,7 +34,7 @@ struct Entry {
     KvFormat kv_format;
     int head_size;
     int block_size;
-    Variant single_tile;  // G * Sq <= kRowsPerCta, without options (ES_PLAIN_VARIANTS; else = single_ext)
+    Variant single_tile;  // G * Sq <= kRowsPerCta, without options (ES_PAGED_PLAIN_VARIANTS; else = single_ext)
     Variant multi_tile;   // G * Sq > kRowsPerCta: kMultiTiles row tiles per block (likewise)
     Variant single_ext;   // the same reading soft-capping / a window at run time (kExt)
     Variant multi_ext;

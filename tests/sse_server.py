@@ -1,5 +1,5 @@
 """A small real HTTP server that streams like an OpenAI-compatible server and like Triton's generate
-endpoint, with known timing, for testing `enginesmith bench serve` (measure/http_load.py) against.
+endpoint, with known timing, for testing `enginesmith bench serve` (enginesmith/measure/http_load.py) against.
 
 Run: python tests/sse_server.py --port P [--api-key KEY] [--model NAME]   (Starlette on uvicorn, 127.0.0.1)
 

@@ -1,4 +1,4 @@
-"""`enginesmith bench serve` (measure/http_load.py) against a real HTTP server of known behaviour
+"""`enginesmith bench serve` (enginesmith/measure/http_load.py) against a real HTTP server of known behaviour
 (tests/sse_server.py: Starlette on uvicorn, in a subprocess on 127.0.0.1, stopped by PID). The
 server is the oracle: it streams a known number of tokens per request with known delays, counts the
 requests it holds at once, and records when each arrived and what it was sent.

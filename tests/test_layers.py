@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 # package folder in the repository -> layer name
 FOLDERS = {"enginesmith/core": "core", "enginesmith/build": "build", "enginesmith/cli": "cli",
            "models": "models", "export": "export", "plugins": "plugins", "passes": "passes",
-           "runtime": "runtime", "measure": "measure", "serving": "serving"}
+           "runtime": "runtime", "enginesmith/measure": "measure", "enginesmith/serving": "serving"}
 ALLOWED = {
     "core": {"core"},
     "models": {"core"},

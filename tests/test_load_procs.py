@@ -1,4 +1,4 @@
-"""`enginesmith bench serve --procs K` (measure/load_procs.py): one run's load split over K worker
+"""`enginesmith bench serve --procs K` (enginesmith/measure/load_procs.py): one run's load split over K worker
 processes, merged into one summary.
 
 Oracles: the stand-in server tests/sse_server.py (it streams exactly max_tokens tokens " t0 t1 ...", records

@@ -1,4 +1,4 @@
-"""The offline serving benchmark (measure/throughput.py, `enginesmith bench --requests`) on a tiny
+"""The offline serving benchmark (enginesmith/measure/throughput.py, `enginesmith bench --requests`) on a tiny
 paged engine (tiny:llama, --kv paged, ONNX Runtime CPU):
 
 - the workload is a function of its seed; prompts are Austen paragraphs (the oracle: the corpus's

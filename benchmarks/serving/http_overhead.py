@@ -4,7 +4,7 @@ engine costs nothing (or a fixed, GIL-free time per step), and how much server C
     this process (the server)                                   a child process (the client)
     FakePagedModel.run: sleep --step-ms (GIL released,           enginesmith bench serve --concurrency C
         as a CUDA sync is), one token id per pick                    --ignore-eos, P prompt / T output tokens
-    BatcherLoop (serving/loop.py) ── make_app (openai_api) ── uvicorn on 127.0.0.1 ◀══ HTTP/1.1 SSE ══╝
+    BatcherLoop (enginesmith/serving/loop.py) ── make_app (openai_api) ── uvicorn on 127.0.0.1 ◀══ HTTP/1.1 SSE ══╝
 
 Everything but the model is the real server: the ContinuousBatcher and its block manager, the loop thread,
 EventRelay, TextStream over the tiny engine's tokenizer (a real `tokenizers` BPE over words), SSE chunks,

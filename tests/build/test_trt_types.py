@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKED = {"runtime/trt_engine.py": "runtime/trt_engine.py", "build/trt_lint.py": "enginesmith/build/trt_lint.py",
            "build/trt_ops.py": "enginesmith/build/trt_ops.py", "build/jetson.py": "enginesmith/build/jetson.py",
            "build/trt.py": "enginesmith/build/trt.py", "build/trt_plan.py": "enginesmith/build/trt_plan.py",
-           "core/tensorrt.py": "enginesmith/core/tensorrt.py", "serving/triton_repository.py": "serving/triton_repository.py",
-           "serving/triton_model.py": "serving/triton_model.py"}
+           "core/tensorrt.py": "enginesmith/core/tensorrt.py", "serving/triton_repository.py": "enginesmith/serving/triton_repository.py",
+           "serving/triton_model.py": "enginesmith/serving/triton_model.py"}
 
 MYPY_INI = """\
 [mypy]
@@ -56,7 +56,7 @@ def linked_tree(root: Path) -> Path:
     for f in (REPO / "enginesmith").iterdir():
         if f.suffix == ".py" or (f.is_dir() and f.name != "__pycache__"):
             (pkg / f.name).symlink_to(f)
-    for sub in ("runtime", "serving", "export", "models", "passes", "measure", "plugins"):
+    for sub in ("runtime", "export", "models", "passes", "plugins"):
         if (REPO / sub).is_dir():
             (pkg / sub).symlink_to(REPO / sub)
     return root

@@ -1,5 +1,5 @@
 """Stand-ins for Triton's python backend (`triton_python_backend_utils`, which exists only inside
-Triton's stub process), enough to drive serving/triton_model.TritonPythonModel in-process: requests
+Triton's stub process), enough to drive enginesmith/serving/triton_model.TritonPythonModel in-process: requests
 with input tensors, response senders that record what the model sent, a switchable is_model_ready.
 
 The real server is exercised by test_triton_server.py and test_triton_batched_server.py; these

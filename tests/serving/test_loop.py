@@ -1,4 +1,4 @@
-"""serving/loop.py: the one scheduler loop behind every front door, on a tiny paged CPU engine.
+"""enginesmith/serving/loop.py: the one scheduler loop behind every front door, on a tiny paged CPU engine.
 
 Requests submitted from many threads at once come back with the tokens each gets alone; a cancelled
 request ends and its pages return (both with sync and async scheduling); beyond max_waiting, submit raises Overloaded; drain waits for the

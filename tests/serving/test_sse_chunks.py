@@ -1,4 +1,4 @@
-"""serving/sse_chunks.py: the templated SSE events are byte for byte the events made from the dicts
+"""enginesmith/serving/sse_chunks.py: the templated SSE events are byte for byte the events made from the dicts
 (openai_protocol's chunk builders, json.dumps with ensure_ascii=False), whatever the text holds."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""serving/text_stream.TextStream against runtime.generate.stream (the oracle): fed a request's token
+"""enginesmith/serving/text_stream.TextStream against runtime.generate.stream (the oracle): fed a request's token
 ids one by one, it gives the same text deltas, the same cut before a stop string, the same end at a
 stop token, and releases the held text at the end."""
 

@@ -18,6 +18,11 @@ def add_parser(verbs) -> None:
     p.add_argument("--novel", default="prideprejudice", help="Austen novel when --text is not given")
     p.add_argument("--tokens", type=int, default=4096, help="evaluate the first N tokens")
     p.add_argument("--window", type=int, default=1024, help="tokens per window")
+    p.add_argument("--protocol", choices=["harness", "windows"], default="harness",
+                   help="harness (default): lm-evaluation-harness's rolling windows, a BOS prefix token where "
+                        "the tokenizer adds one (else EOS), every token scored; windows: the protocol before "
+                        "session 14, non-overlapping windows without a prefix token, each window's first "
+                        "token unscored")
     p.add_argument("--compare", choices=["hf"], default=None, help="also evaluate the PyTorch model")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_kv_flags(p, eval_policies=True)
@@ -33,7 +38,7 @@ def cmd_eval(args) -> int:
         return _eval_stream(args)
     loaded = load_engine(args)
     result = report.eval_ppl(loaded, args.text, args.novel, args.tokens, args.window,
-                             compare_hf=args.compare == "hf")
+                             compare_hf=args.compare == "hf", protocol=args.protocol)
     print(json.dumps(result) if args.json else report.format_ppl(result))
     return 0
 

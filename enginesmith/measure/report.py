@@ -113,7 +113,10 @@ def format_bench(r: dict) -> str:
 
 
 def eval_ppl(loaded, text_path: str | None, novel: str, tokens: int, window: int,
-             compare_hf: bool = False) -> dict:
+             compare_hf: bool = False, protocol: str = "harness") -> dict:
+    """`eval ppl`'s result: perplexity.perplexity's keys for the engine (and under "hf" the PyTorch
+    model's, same protocol and windows) plus the model, text and, for the harness protocol, the
+    prefix token's text and where it came from ("bos" or "eos"; both None for `windows`)."""
     if tokens < window:
         raise UserError(f"--tokens {tokens} is smaller than --window {window}", "use --tokens >= --window")
     if window > loaded.max_positions:
@@ -121,19 +124,27 @@ def eval_ppl(loaded, text_path: str | None, novel: str, tokens: int, window: int
                         f"use --window <= {loaded.max_positions}")
     text = corpus.load_text(text_path, novel=novel)
     ids = corpus.tokenize(loaded.tokenizer, text, tokens)
+    prefix, source, token = perplexity.prefix_token(loaded.tokenizer) if protocol == "harness" else (None,) * 3
+
+    def measure(fn):
+        return perplexity.perplexity(fn, ids, window=window, protocol=protocol, prefix_token=prefix)
+
     result = {"model": loaded.manifest.source.name, "precision": loaded.manifest.precision,
-              "text": text_path or f"austen:{novel}",
-              **perplexity.perplexity(perplexity.ort_logits_fn(loaded.engine), ids, window=window)}
+              "text": text_path or f"austen:{novel}", **measure(perplexity.ort_logits_fn(loaded.engine)),
+              "prefix_token": token, "prefix_from": source}
     if compare_hf:
-        hf = perplexity.perplexity(perplexity.torch_logits_fn(source_model(loaded.manifest)), ids, window=window)
+        hf = measure(perplexity.torch_logits_fn(source_model(loaded.manifest)))
         result["hf"] = hf
         result["relative_diff_vs_hf"] = abs(result["ppl"] - hf["ppl"]) / hf["ppl"]
     return result
 
 
 def format_ppl(r: dict) -> str:
-    line = (f"perplexity {r['ppl']:.4f} over {r['tokens']} tokens ({r['windows']} windows of "
-            f"{r['window']}) of {r['text']}, {r['model']} {r['precision']}")
+    """One line: perplexity, text, model, then the protocol, windows, stride and prefix token."""
+    prefix = ("no prefix token" if r["prefix_token_id"] is None else
+              f"prefix token {r['prefix_from'].upper()} {r['prefix_token']!r} (id {r['prefix_token_id']})")
+    line = (f"perplexity {r['ppl']:.4f} over {r['tokens']} tokens of {r['text']}, {r['model']} {r['precision']} "
+            f"(protocol {r['protocol']}: {r['windows']} windows of {r['window']}, stride {r['stride']}, {prefix})")
     if "hf" in r:
         line += f"\nPyTorch: {r['hf']['ppl']:.4f} (relative difference {r['relative_diff_vs_hf']:.2e})"
     return line

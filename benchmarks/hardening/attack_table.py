@@ -18,13 +18,23 @@ from pathlib import Path
 from enginesmith.build import BuildConfig, cached_engine
 from enginesmith.core import engine_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attack_28a  # noqa: E402  (issue 28 part A's rows, beside this script)
 
-def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    r = subprocess.run([sys.executable, "-m", "enginesmith.cli", *args], capture_output=True, timeout=timeout,
-                       env=env, input=stdin.encode() if stdin else None)
-    lines = r.stderr.decode("utf-8", "replace").strip().splitlines()
-    return r.returncode, (lines[-1] if lines else "")
+
+def cli(*args: str, stdin: str | None = None, timeout: int = 300, env: dict | None = None, all_lines: bool = False,
+        stdout: bool = False) -> tuple[int, str]:
+    """(exit code, the last stderr line; all of stderr with `all_lines`; stdout with `stdout`), run in a
+    scratch working directory."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})}
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run([sys.executable, "-m", "enginesmith.cli", *args], capture_output=True, timeout=timeout,
+                           env=env, input=stdin.encode() if stdin else None, cwd=cwd)
+    if stdout:
+        return r.returncode, r.stdout.decode("utf-8", "replace")
+    text = r.stderr.decode("utf-8", "replace").strip()
+    lines = text.splitlines()
+    return r.returncode, text if all_lines else (lines[-1] if lines else "")
 
 
 def resign(path: Path) -> None:
@@ -134,6 +144,14 @@ def main() -> None:
     print("|---|---|---:|---|")
     for item, what, code, line in rows:
         print(f"| {item} | {what.replace('|', '/')} | {code} | {line.replace('|', '/')[:260]} |")
+    with tempfile.TemporaryDirectory() as d:  # issue 28, part A: before (as filed) and after
+        paged = cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)
+        table = attack_28a.rows(cli, Path(d), pristine, paged)
+        print("\n| item | input | before | exit | stderr (last line) |")
+        print("|---|---|---|---:|---|")
+        for item, what, before, code, line in table:
+            line = line.replace(d, "TMP").replace("|", "/")[:260]
+            print(f"| {item} | {what.replace('|', '/')} | {before} | {code} | {line} |")
 
 
 if __name__ == "__main__":

@@ -363,7 +363,9 @@ def test_gpu_devices_one_replica_per_gpu(ort_ops_lib, tmp_path):
     paged = lower_for_cuda(src, tmp_path / "engine", capacity=256, kv_layout="paged", page_size=16, max_batch=32,
                            progress=False)
     server = Server(tmp_path, paged, "--device", "cuda", "--devices", ",".join(map(str, gpus)), "--model-name", MODEL,
-                    "--gpu-memory-utilization", "0.3",
+                    # a fixed pool: a share of the GPU's memory is what other test processes leave (H100, -n 6:
+                    # "the KV pool would have -3140106 pages")
+                    "--num-pages", "512",
                     env={"ENGINESMITH_ORT_OPS_LIB": str(ort_ops_lib)}).wait_ready(timeout=300)
     try:
         pids = replica_pids(server)

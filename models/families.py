@@ -63,8 +63,9 @@ FEATURE_LIMITS: dict[str, dict[str, str]] = {
     "fused_projections": {"GroupQueryAttention": "the attention is not fused (no RotaryEmbedding)"},
     # (enginesmith.PagedGroupQueryAttention has soft-capping, windows, head size 256 and takes q/k norms:
     # tests/test_paged_families.py)
-    "softcap": {"paged": "the paged attention ops have no soft-capping"},
-    "sliding_window": {"paged": "the paged attention ops have no sliding window"},
+    "softcap": {"paged": "no soft-capping in the CPU paged layout (the CUDA paged engine has it: paged-gqa)"},
+    "sliding_window": {"paged": "no sliding window in the CPU paged layout (the CUDA paged engine has it: "
+                                "paged-gqa)"},
     # (ring: every layer sliding by one window W is the exact ring of --sinks 0, --kv-window >= W)
     "alternating_layers": {"ring": "sliding and global layers need different KV sizes; the ring "
                                    "layout has one size for all layers"},

@@ -348,7 +348,10 @@ def test_models_verb_prints_the_table_and_json(capsys):
     text = capsys.readouterr().out
     for family in FAMILIES.values():
         assert family.architecture in text
-    assert "gemma2 paged: the paged attention ops have no soft-capping" in text
+    assert "gemma2 paged: no soft-capping in the CPU paged layout" in text
+    # a "yes*" cell is listed as a limit, not as unsupported
+    limits, unsupported = text.split("Supported with limits (yes*):")[1].split("Not supported (why):")
+    assert "mistral paged: not with sliding_window" in limits and "mistral paged" not in unsupported
     assert main(["models", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {f.name for f in FAMILIES.values()}

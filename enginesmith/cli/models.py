@@ -37,15 +37,20 @@ def _cell(verdict: str) -> str:
 def table() -> str:
     """The text table: a row per family, a footnote per "no" (and per "yes*": not with an optional feature)."""
     heads = ["family", "architecture"] + [SHORT.get(c, c) for c in COLUMNS]
-    rows, notes = [], []
+    rows, notes, limits = [], [], []
     for f in FAMILIES.values():
         verdicts = support(f)
         rows.append([f.name, f.architecture] + [_cell(verdicts[c]) for c in COLUMNS])
-        notes += [f"  {f.name} {SHORT.get(c, c)}: {v.removeprefix('no: ')}" for c in COLUMNS
-                  if (v := verdicts[c]) != "yes"]
+        for c in COLUMNS:
+            v = verdicts[c]
+            if v.startswith("no"):
+                notes.append(f"  {f.name} {SHORT.get(c, c)}: {v.removeprefix('no: ')}")
+            elif v != "yes":  # "yes (not with ...)": the yes* cells
+                limits.append(f"  {f.name} {SHORT.get(c, c)}: {v.removeprefix('yes (').removesuffix(')')}")
     widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [heads] + rows]
     lines += ["", "Features:"] + [f"  {f.name}: {_features(f)}" for f in FAMILIES.values()]
+    lines += ["", "Supported with limits (yes*):"] + limits if limits else []
     return "\n".join(lines + (["", "Not supported (why):"] + notes if notes else []))
 
 

@@ -34,6 +34,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.models import config_check, dir_manifest, random_tokenizer
 from enginesmith.models.families import Family, check_config, family_of
 from enginesmith.core.paths import cache_dir, cache_fix, writing_to
+from enginesmith.core.progress import interactive
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -233,7 +234,10 @@ def _converted_gguf_dir(source: Source) -> Path:
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        if not interactive():  # its bars would leave carriage returns and escape codes in a log
+            hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         family_of(model.config)

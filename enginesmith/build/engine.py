@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import platform
 import shutil
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-
-from tqdm import tqdm
 
 from enginesmith import __version__
 from enginesmith.build import cache, jetson
@@ -25,6 +22,8 @@ from enginesmith.build.code_fingerprint import code_fingerprint
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
+from enginesmith.core.progress import LOG_INTERVAL, interactive
+from enginesmith.core.progress import bar as progress_bar
 from enginesmith.core.io_names import GQA_IO, MAX_CUDA_BATCH, PAGED_GQA_IO  # noqa: F401  (MAX_CUDA_BATCH re-exported)
 from enginesmith.models import load as models
 from enginesmith.models import lora_adapter
@@ -34,13 +33,12 @@ from enginesmith.plugins import ort_ops
 @contextmanager
 def _stages(names: list[str], enabled: bool = True):
     """A progress bar over build stages that keeps ticking (elapsed time) during long ones."""
-    bar = tqdm(total=len(names), desc="build", unit="stage", disable=not enabled, file=sys.stderr,
-               bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}] {postfix}",
-               mininterval=0 if sys.stderr.isatty() else 30)
+    bar = progress_bar(total=len(names), desc="build", unit="stage", disable=not enabled,
+                       bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]{postfix}", mininterval=0)
     stop = threading.Event()
 
-    def tick():
-        while not stop.wait(1.0 if sys.stderr.isatty() else 30.0):
+    def tick():  # in a log: a line every LOG_INTERVAL s during a long stage
+        while not stop.wait(1.0 if interactive() else LOG_INTERVAL):
             bar.refresh()
 
     thread = threading.Thread(target=tick, daemon=True)

@@ -71,7 +71,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from enginesmith.core import engine_dir
+from enginesmith.core import engine_dir, progress
 from enginesmith.core.errors import UserError
 from enginesmith.measure.throughput import BenchRequest, percentiles, require_matplotlib
 from enginesmith.models import load as model_load
@@ -388,8 +388,7 @@ async def run_load(target: Target, prompts: Sequence[Prompt], concurrency: int, 
 
 
 def progress_bar(total: int, concurrency: int, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=f"concurrency {concurrency}", unit="req", leave=False,
-                disable=None if enabled else True)
+    return progress.bar(total=total, desc=f"concurrency {concurrency}", unit="req", leave=False, disable=not enabled)
 
 
 def report(concurrency: int, rate: float | None, prompts: Sequence[Prompt], warm: Sequence[Outcome],

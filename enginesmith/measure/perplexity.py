@@ -23,12 +23,12 @@ scored token, ppl = exp(nll); sums in float64.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Callable
 
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.progress import bar as progress_bar
 
 LogitsFn = Callable[[np.ndarray], np.ndarray]  # ids int64 [1, W] -> logits [1, W, V]
 PROTOCOLS = ("harness", "windows")
@@ -124,15 +124,13 @@ def perplexity(logits_fn: LogitsFn, token_ids, window: int = 1024, stride: int |
     """
     stride = window if stride is None else stride
     ids = _checked_ids(token_ids, window, stride, protocol, prefix_token)
-    from tqdm import tqdm
-
     if protocol == "harness":  # positions shift by one: the prefix token is position 0
         seq, plan, trim = np.concatenate([[prefix_token], ids]), harness_spans(len(ids), window, stride), 1
     else:
         seq, plan, trim = ids, spans(len(ids), window, stride), 0
     total, count = 0.0, 0
-    for begin, end, first in tqdm(plan, desc="perplexity", unit="window", file=sys.stderr,
-                                  disable=not progress, leave=False):
+    for begin, end, first in progress_bar(iterable=plan, desc="perplexity", unit="window", disable=not progress,
+                                          leave=False):
         inputs = seq[begin:end - trim]  # harness: the last target is predicted from the input's last logit
         logits = np.asarray(logits_fn(inputs[None]))
         if logits.ndim != 3 or logits.shape[:2] != (1, len(inputs)):

@@ -19,13 +19,13 @@ along the stream. `summary` bins the nll into perplexity over position; `plot` d
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.progress import bar as progress_bar
 from enginesmith.measure.perplexity import _token_nll, spans
 from enginesmith.measure.speed import rss_mib
 from enginesmith.runtime.protocols import Engine, KVCache
@@ -49,10 +49,7 @@ def _cache_mib(cache: KVCache) -> float:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, disable=not progress, leave=False,
-                mininterval=1.0 if sys.stderr.isatty() else 60.0)
+    return progress_bar(total=total, desc=desc, unit="tok", disable=not progress, leave=False, mininterval=1.0)
 
 
 def _nll_rows(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -37,16 +37,15 @@ import importlib.util
 import itertools
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.progress import bar as progress_bar
 from enginesmith.measure import speed
 from enginesmith.models.corpus import austen_text, data_dir, load_text, novels, tokenize
 from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig, StepOutput
@@ -332,8 +331,7 @@ def percentiles(seconds: Sequence[float]) -> dict:
 
 
 def _progress(total: int, concurrency: int, enabled: bool):
-    return tqdm(total=total, desc=f"concurrency {concurrency}", unit="req", file=sys.stderr,
-                disable=None if enabled else True, leave=False)
+    return progress_bar(total=total, desc=f"concurrency {concurrency}", unit="req", disable=not enabled, leave=False)
 
 
 # ----------------------------------------------------------------------------- sweep, report, plot

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.paths import cache_dir
+from enginesmith.core.progress import bar as progress_bar
 from enginesmith.models.corpus import load_text, tokenize
 
 DEFAULT_NOVEL = "emma"
@@ -150,12 +150,10 @@ def open_session(onnx_path: Path, names: list[str], elem_type: int | None = None
 
 def run_windows(session, names: list[str], calib: CalibrationSet, progress: bool, desc: str = "calibrating"):
     """Yield the tensors `names` (a list of arrays) for each calibration window, in order."""
-    from tqdm import tqdm  # deferred: only when statistics are not cached
 
     feeds_base = _empty_cache_feeds(session)
     seq = calib.windows.shape[1]
-    for window in tqdm(calib.windows, desc=desc, unit="sample", file=sys.stderr,
-                       disable=not progress, leave=False):
+    for window in progress_bar(iterable=calib.windows, desc=desc, unit="sample", disable=not progress, leave=False):
         feeds = dict(feeds_base, input_ids=window[None], attention_mask=np.ones((1, seq), np.int64),
                      position_ids=np.arange(seq, dtype=np.int64)[None])
         yield session.run(names, feeds)

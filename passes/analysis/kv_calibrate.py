@@ -33,6 +33,7 @@ import numpy as np
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.paths import cache_dir
+from enginesmith.core.progress import bar as progress_bar
 from enginesmith.passes.analysis.calibrate import CalibrationSet, graph_hash, open_session
 
 CODE_MAX = {"int8": 127.0, "fp8": 448.0}
@@ -115,7 +116,6 @@ def attention_scales(who: str, nodes: list, kv_dtype: str, windows: int, ctx, ca
 def _run(onnx_path: Path, names: list[str], windows: np.ndarray, ops_lib: Path, progress: bool):
     """Yield the tensors `names` for each window, each run from an empty cache (rows of one window)."""
     import onnx  # deferred: heavy, only when the bounds are not cached
-    from tqdm import tqdm  # deferred: only when the bounds are not cached
 
     session = open_session(onnx_path, names, onnx.TensorProto.FLOAT16, ops_lib)
     inputs = {i.name: i for i in session.get_inputs()}
@@ -128,7 +128,8 @@ def _run(onnx_path: Path, names: list[str], windows: np.ndarray, ops_lib: Path, 
         if io_names.is_past(name):
             dtype = np.float16 if "float16" in inp.type else np.float32
             pasts[name] = np.zeros((1, int(inp.shape[1]), seq, int(inp.shape[3])), dtype)
-    for window in tqdm(windows, desc="calibrating KV scales", unit="window", disable=not progress, leave=False):
+    for window in progress_bar(iterable=windows, desc="calibrating KV scales", unit="window", disable=not progress,
+                               leave=False):
         feeds = dict(pasts, input_ids=np.asarray(window, np.int64)[None],
                      **{SEQLENS: np.array([seq - 1], np.int32), TOTAL: np.array(seq, np.int32)})
         yield session.run(names, feeds)

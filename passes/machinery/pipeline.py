@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
+from enginesmith.core.progress import say
 from enginesmith.passes.machinery import verify
 from enginesmith.passes.machinery.edit import drop_unused_initializers
 from enginesmith.passes.machinery.registry import PassContext, Step, calibrated_steps, parse_pipeline, passes
@@ -109,4 +109,4 @@ def run_pipeline(src: str | os.PathLike, dst: str | os.PathLike, steps: list[Ste
 
 def _say(progress: bool, text: str) -> None:
     if progress:
-        print(text, file=sys.stderr, flush=True)
+        say(text)  # beside the build's bar, not glued onto it

@@ -2,7 +2,7 @@
 
     <repo>/<model>/config.pbtxt      python backend, decoupled (one response per text delta)
     <repo>/<model>/1/model.py        a shim: `from enginesmith.serving.triton_model import TritonPythonModel`
-    <repo>/<model>/1/engine/         only with copy_engine=True (hard links where the filesystem allows)
+    <repo>/<model>/1/engine/         only with copy_engine=True (copies of the listed files)
 
 The model drives our own runtime over the engine. How it serves depends on the engine's KV layout:
 
@@ -210,13 +210,12 @@ def _trt_parameters(root: Path, manifest: Manifest) -> dict[str, str]:
 
 
 def _place_engine(src: Path, manifest: Manifest, dst: Path) -> None:
-    """Copy exactly the files `manifest` lists, plus build.json, from the verified engine `src` to `dst`,
-    hard-linking where the filesystem allows (no 2x disk).
+    """Copy exactly the files `manifest` lists, plus build.json, from the verified engine `src` to `dst`.
 
     The engine directory is untrusted input: nothing is found by walking it, and no symbolic link is
     followed. Each file is reached from `src` one directory at a time with O_NOFOLLOW (a directory
     swapped for a link after `verify` fails here), must be a regular file of the listed size, and
-    its link or copy must be that same file (a file swapped in between the check and the link is
+    its copy must be of that same file (a file swapped in between the check and the copy is
     refused)."""
     root_fd = _open_dir(src, None, src)
     try:
@@ -248,7 +247,9 @@ def _open_dir(name: str | Path, dir_fd: int | None, shown: Path) -> int:
 
 
 def _place_file(dir_fd: int, name: str, size: int | None, target: Path, shown: Path) -> None:
-    """Hard-link (else copy) the regular file `name` of `dir_fd` to `target`, never through a symlink."""
+    """Copy the regular file `name` of `dir_fd` to `target`, never through a symlink. A copy, not a hard
+    link: a file with two links is refused by onnx_ir when it loads external data (as a possible hard-link
+    attack), which would break every later pass build from the engine and from its copy."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError as exc:
@@ -257,14 +258,7 @@ def _place_file(dir_fd: int, name: str, size: int | None, target: Path, shown: P
         expected = "a regular file" + (f" of {size} bytes" if size is not None else "")
         raise EngineError(f"engine file {shown} changed after it was verified (it is no longer {expected})",
                           "rebuild the engine, and keep it unchanged while `triton` runs")
-    try:
-        os.link(name, target, src_dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:  # another filesystem, or hard links refused (fs.protected_hardlinks): copy
-        _copy_file(dir_fd, name, st, target, shown)
-        return
-    linked = os.lstat(target)
-    if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(linked.st_mode):
-        raise EngineError(f"engine file {shown} was replaced while it was being copied", "rebuild the engine")
+    _copy_file(dir_fd, name, st, target, shown)
 
 
 def _copy_file(dir_fd: int, name: str, st: os.stat_result, target: Path, shown: Path) -> None:
@@ -385,7 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: none written; Triton then puts one instance on each GPU it sees)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="default max_tokens per request")
     parser.add_argument("--copy-engine", action="store_true",
-                        help="put the engine's listed files inside the repository (hard links where possible)")
+                        help="put copies of the engine's listed files inside the repository")
     parser.add_argument("--allow-special-tokens-in-text", action="store_true",
                         help="let request text spell control tokens such as <|im_start|> (default: encoded as "
                              "plain text, so clients cannot forge chat turns); only for trusted clients")

@@ -86,7 +86,7 @@ def test_tensorrt_engine_with_missing_plugin_library_is_refused(tmp_path):
     assert not (tmp_path / "repo" / "trt").exists()
 
 
-def test_copy_engine_links_files_and_uses_relative_path(tmp_path):
+def test_copy_engine_copies_files_and_uses_relative_path(tmp_path):
     engine = fake_engine(tmp_path / "engine")
     model = write_model_repository(engine, tmp_path / "repo", "m", copy_engine=True)
     params = {k: v.string_value for k, v in parse((model / "config.pbtxt").read_text()).parameters.items()}
@@ -110,13 +110,17 @@ def outside_dir(tmp_path: Path) -> Path:
     return outside
 
 
-def test_copy_engine_places_exactly_the_listed_files_as_hard_links(tmp_path):
+def test_copy_engine_places_exactly_the_listed_files_as_copies(tmp_path):
+    """Copies, never hard links: onnx_ir refuses external data with two links (a possible hard-link
+    attack), so a linked engine could no longer feed a pass build, nor could its copy."""
     engine = fake_engine(tmp_path / "engine", files=ENGINE_FILES)
     copy = write_model_repository(engine, tmp_path / "repo", "m", copy_engine=True) / "1" / "engine"
     assert files_under(copy) == ["build.json", "model.onnx", "tokenizer/tokenizer.json"]
     assert not any(p.is_symlink() for p in copy.rglob("*"))
-    for rel in ("build.json", "model.onnx", "tokenizer/tokenizer.json"):  # same filesystem: no 2x disk
-        assert os.stat(copy / rel).st_ino == os.stat(engine / rel).st_ino
+    for rel in ("build.json", "model.onnx", "tokenizer/tokenizer.json"):
+        assert os.stat(copy / rel).st_ino != os.stat(engine / rel).st_ino
+        assert os.stat(engine / rel).st_nlink == 1 and os.stat(copy / rel).st_nlink == 1
+        assert (copy / rel).read_bytes() == (engine / rel).read_bytes()
 
 
 def _link_unlisted_dir(engine: Path, outside: Path) -> None:
@@ -182,7 +186,7 @@ def test_copy_after_verify_takes_only_listed_regular_files(tmp_path):
 
 
 def test_copy_to_another_filesystem_copies_the_bytes(tmp_path):
-    """Where a hard link cannot be made (another filesystem), the listed files are copied."""
+    """On another filesystem too, the listed files are copied."""
     if not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("needs /dev/shm on a filesystem other than the test's temp dir")
     engine = fake_engine(tmp_path / "engine", files=ENGINE_FILES)

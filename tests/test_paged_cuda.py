@@ -121,7 +121,10 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(paged_dir):
 def test_random_load_with_cancellation_and_preemption_leaks_no_page(paged_dir, async_steps):
     engine = _engine(paged_dir, num_pages=12)  # 11 usable pages of 16: preemption under this load
     rng = np.random.default_rng(5)
-    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=6, max_tokens=48, chunk=16, async_steps=async_steps))
+    # reserve_new_tokens=1: admission reserves no output pages, so the load still preempts (admission by the
+    # whole request's pages, the default, avoids it: tests/test_batching.py)
+    batcher = ContinuousBatcher(engine, SchedulerConfig(max_batch=6, max_tokens=48, chunk=16, async_steps=async_steps,
+                                                        reserve_new_tokens=1))
     ids = []
     for i in range(30):
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 70))).tolist()

@@ -4,6 +4,7 @@ exports what TensorRT's loadLibrary looks up, and the host-side checks reject ba
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,6 +46,9 @@ def _cuobjdump() -> str | None:
 
 
 def test_device_code_covers_every_arch(plugin_build):
+    if os.environ.get("ENGINESMITH_TEST_STRICT") != "1":
+        pytest.skip("the every-arch build runs under ENGINESMITH_TEST_STRICT=1 (.ci/run); the tests compiled one arch "
+                    "(tests/plugin_build.py)")
     cuobjdump = _cuobjdump()
     if cuobjdump is None:
         missing("cuobjdump is not installed (the build itself used CMAKE_CUDA_ARCHITECTURES=" + kernels.ALL_ARCHS + ")",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from enginesmith.cli.flags import add_model_flags
-from enginesmith.core.out_paths import check_new_file, check_out, graph_pair_atomically
+from enginesmith.core.engine_dir import graph_pair_atomically
+from enginesmith.core.out_paths import check_new_file, check_out
 from enginesmith.models import load as models
 
 

@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 from enginesmith.core import manifest as schema
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import FORMAT_VERSION, Manifest  # noqa: F401  (re-exported)
-from enginesmith.core.out_paths import check_out
+from enginesmith.core.out_paths import check_new_file, check_out
 from enginesmith.core.paths import cache_dir, writing_to
 
 MANIFEST = "build.json"
@@ -416,3 +416,34 @@ def _check_target(target: Path, overwrite: bool, replaceable: Callable[[Path], b
     if not replaceable(target):
         raise UserError(f"{target} is not {kind}, and --force replaces only {kind}",
                         "remove it yourself or choose another --out")
+
+
+@contextlib.contextmanager
+def graph_pair_atomically(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temp path `<tmpdir>/<out.name>` to write a graph and its `<name>.data` into; on success
+    both move into place (data first, so the graph that appears reads data that is there), under a
+    lock beside `out`. The graph's data reference is `<name>.data`, the final name, because the temp
+    graph has the final name in a temp folder. On any failure nothing of ours is left."""
+    flag = "--out"
+    out = check_out(out, flag, "file")
+    data = out.with_name(out.name + ".data")
+    check_out(data, flag + " (its .data file)", "file")
+    with lock(out, wait=False):
+        for p in (out, data):
+            check_new_file(p, flag, force)
+        with output_errors(out):
+            tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
+        try:
+            with output_errors(out):
+                yield tmpdir / out.name
+            for p in (out, data):  # again: another program may have put something there meanwhile
+                check_out(p, flag, "file")
+                check_new_file(p, flag, force)
+            with output_errors(out):
+                written_data = tmpdir / data.name
+                if not written_data.exists():
+                    written_data.write_bytes(b"")  # a graph with no external tensors: keep the pair's layout
+                os.replace(written_data, data)
+                os.replace(tmpdir / out.name, out)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,5 +1,5 @@
-"""Where a verb writes (`--out`, `--plot`, `--png`), checked before any work starts, and the one
-writer of a graph + external-data pair (`export --out X` -> X and X.data).
+"""Where a verb writes (`--out`, `--plot`, `--png`), checked before any work starts (the writer of a
+graph + external-data pair, `export --out X` -> X and X.data, is engine_dir.graph_pair_atomically).
 
 A path the user gives us to write is refused, in one line naming the fix, when:
   - it is empty, or names no file or folder of its own ('.', '..', '/');
@@ -13,13 +13,9 @@ A path the user gives us to write is refused, in one line naming the fix, when:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import stat
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
 from enginesmith.core.errors import UserError
 
@@ -85,36 +81,3 @@ def check_new_file(path: Path, flag: str, force: bool) -> None:
     """An existing regular file at `path` is replaced only with --force."""
     if os.path.lexists(path) and not force:
         raise UserError(f"{path} already exists", f"pass --force to replace it, or give {flag} another path")
-
-
-@contextlib.contextmanager
-def graph_pair_atomically(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temp path `<tmpdir>/<out.name>` to write a graph and its `<name>.data` into; on success
-    both move into place (data first, so the graph that appears reads data that is there), under a
-    lock beside `out`. The graph's data reference is `<name>.data`, the final name, because the temp
-    graph has the final name in a temp folder. On any failure nothing of ours is left."""
-    from enginesmith.core.engine_dir import lock, output_errors  # deferred: engine_dir imports check_out
-
-    flag = "--out"
-    out = check_out(out, flag, "file")
-    data = out.with_name(out.name + ".data")
-    check_out(data, flag + " (its .data file)", "file")
-    with lock(out, wait=False):
-        for p in (out, data):
-            check_new_file(p, flag, force)
-        with output_errors(out):
-            tmpdir = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
-        try:
-            with output_errors(out):
-                yield tmpdir / out.name
-            for p in (out, data):  # again: another program may have put something there meanwhile
-                check_out(p, flag, "file")
-                check_new_file(p, flag, force)
-            with output_errors(out):
-                written_data = tmpdir / data.name
-                if not written_data.exists():
-                    written_data.write_bytes(b"")  # a graph with no external tensors: keep the pair's layout
-                os.replace(written_data, data)
-                os.replace(tmpdir / out.name, out)
-        finally:
-            shutil.rmtree(tmpdir, ignore_errors=True)

@@ -6,25 +6,20 @@ Dimension legend: B sequences, Sq query tokens, H query heads, Hkv KV heads, D h
 BS page size, NB pages in the pool, MB pages per sequence, T new tokens.
 
 The library is found as plugins/compile.py says ($ENGINESMITH_KERNELS_LIB, $ENGINESMITH_PLUGINS_BUILD,
-plugins/build of a checkout, else the cache entry for this machine's GPU, compiled on first use);
-`build()` makes it with CMake + nvcc into a given folder.
+plugins/build of a checkout, else the cache entry for this machine's GPU, compiled on first use).
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 import struct
-import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from enginesmith.plugins import compile as plugin_compile
 
-PLUGINS_DIR = Path(__file__).resolve().parent
-DEFAULT_BUILD_DIR = PLUGINS_DIR / "build"
 ALL_ARCHS = "80-real;86-real;87-real;89-real;90"
 
 FLOAT16, BFLOAT16 = 0, 1  # enginesmith::DType
@@ -33,32 +28,6 @@ ABI_VERSION = 5  # es_abi_version() of the library this binding matches (capi/en
 
 class KernelError(RuntimeError):
     """A kernel-layer call failed; the message is the C++ layer's (it names the input at fault)."""
-
-
-def build_dir() -> Path:
-    return Path(os.environ.get("ENGINESMITH_PLUGINS_BUILD", DEFAULT_BUILD_DIR))
-
-
-def build(
-    out_dir: Path | None = None,
-    archs: str = ALL_ARCHS,
-    tensorrt_root: str | None = None,
-    trt_plugins: bool = True,
-    jobs: int = 2,
-    targets: tuple[str, ...] = (),
-) -> Path:
-    """Configure and build plugins/ with CMake (Ninja if present) into `out_dir`; return it. `targets`:
-    only these CMake targets (default: all)."""
-    out_dir = Path(out_dir or build_dir())
-    try:
-        configure, build_cmd = plugin_compile.cmake_commands(out_dir, archs, trt_plugins, tensorrt_root, jobs)
-        for cmd in (configure, build_cmd + (["--target", *targets] if targets else [])):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise KernelError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    except plugin_compile.CompileError as exc:
-        raise KernelError(str(exc)) from None
-    return out_dir
 
 
 def library_path() -> Path | None:

@@ -72,14 +72,15 @@ def compile_targets(config: pytest.Config, targets: tuple[str, ...], archs: str 
     tag = archs.replace(";", "_").replace("-real", "").replace("-virtual", "ptx")
     out = shared_root() / f"plugins-sm{tag}{'-trt' if trt else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    configure, build = plugin_compile.cmake_commands(out, archs, trt, trt_root, jobs=os.cpu_count() or 2)
+    configure, build = plugin_compile.cmake_commands(out, archs, trt, trt_root, jobs=os.cpu_count() or 2,
+                                                     targets=targets)
     configure += configure_flags(archs)
     with open(out / ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         started = time.monotonic()
         announce(config, f"\nenginesmith tests: compiling {what} for sm {archs} in {out} (once; ninja reuses it) ...")
         for cmd in ([configure] if not (out / "build.ninja").is_file() and not (out / "Makefile").is_file() else []) + \
-                [build + ["--target", *targets]]:
+                [build]:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
         announce(config, f"enginesmith tests: {what} ready in {time.monotonic() - started:.0f} s")

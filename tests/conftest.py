@@ -18,7 +18,6 @@ builder's code fingerprint, so one written by other code is rebuilt).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,10 @@ from external import missing
 
 
 def pytest_configure(config):
+    from plugin_build import shared_root
+
     if not os.environ.get("ENGINESMITH_CACHE"):
-        os.environ["ENGINESMITH_CACHE"] = str(Path(tempfile.gettempdir()) / f"enginesmith-tests-{os.getuid()}" / "cache")
+        os.environ["ENGINESMITH_CACHE"] = str(shared_root() / "cache")
 
 
 def _require_default_model():

@@ -199,15 +199,28 @@ def test_arrival_times_are_a_seeded_poisson_process():
 
 
 def test_open_loop_sends_on_its_schedule(server):
+    """As the server saw them, the requests arrive on the seeded schedule, each within a few ms (loopback,
+    event-loop turns), with no drift. A run is 1.5 s of wall clock: a stall of the whole machine in it
+    (seen once in CI: 0.85 s, after which the late requests went out at once, as an open loop should)
+    says nothing about the sender, so a run that misses is run again, three runs at most."""
     rate, n, seed = 20.0, 30, 1
-    _stats(server, reset=True)
-    r = _run(_target(server, first_delay=0.01), _prompts([2] * n), n, rate, seed=seed, warmup=0)
-    arrivals = _stats(server, reset=True)["arrivals"]
     due = http_load.arrival_times(n, rate, seed)
-    assert r["completed"] == n and r["max_in_flight"] < n and r["wait_ms"]["p99"] < 20  # never waited for a slot
-    # as the server saw them: the schedule, each within a few ms (loopback, event loop turns), no drift
-    assert [a - arrivals[0] for a in arrivals] == pytest.approx(list(due), abs=0.04)
-    assert r["arrival_rate"] == pytest.approx((n - 1) / due[-1], rel=0.05)
+    misses = []
+    for _ in range(3):
+        _stats(server, reset=True)
+        r = _run(_target(server, first_delay=0.01), _prompts([2] * n), n, rate, seed=seed, warmup=0)
+        arrivals = _stats(server, reset=True)["arrivals"]
+        assert r["completed"] == n and r["max_in_flight"] < n  # whatever the timing
+        offsets = [a - arrivals[0] for a in arrivals]
+        on_time = (r["wait_ms"]["p99"] < 20  # never waited for a slot
+                   and offsets == pytest.approx(list(due), abs=0.04)
+                   and r["arrival_rate"] == pytest.approx((n - 1) / due[-1], rel=0.05))
+        if on_time:
+            return
+        worst = max(abs(o - d) for o, d in zip(offsets, due))
+        misses.append(f"wait p99 {r['wait_ms']['p99']:.1f} ms, worst arrival {worst * 1000:.0f} ms off, "
+                      f"rate {r['arrival_rate']:.2f}/s")
+    pytest.fail("three runs off their schedule: " + "; ".join(misses))
 
 
 def test_open_loop_never_exceeds_the_concurrency(server):

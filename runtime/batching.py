@@ -86,9 +86,9 @@ class PagedModel(Protocol):
     def run(self, ids: np.ndarray, step: PagedStep, picks: Sequence[Pick]) -> list[int]:
         """One forward of ids [B, S] over `step`, then one token per pick."""
 
-    # Optional: async_steps (bool: the default of SchedulerConfig.async_steps for this model);
-    # launch_returns_early with launch(ids, step, picks) -> a handle whose result() is run's tokens
-    # (the step is queued on the device; runtime/step_pipeline.py then needs no worker thread).
+    # Optional: async_steps (bool: the default of SchedulerConfig.async_steps for this model); kv_window
+    # (int: every layer attends to its last kv_window positions, pages behind go back: block_manager.py);
+    # launch_returns_early with launch(ids, step, picks) -> a handle whose result() is run's tokens.
 
 
 @dataclass(frozen=True)
@@ -197,15 +197,15 @@ class ContinuousBatcher:
         self.model = model
         self.config = config or SchedulerConfig()
         self.chunk = min(self.config.chunk, model.max_chunk or self.config.chunk)
-        self.manager = KVCacheManager(model.num_pages, model.page_size, enable_prefix_caching)
+        self.manager = KVCacheManager(model.num_pages, model.page_size, enable_prefix_caching,
+                                      getattr(model, "kv_window", None))
         self.decode = decode  # token ids -> text: needed for stop strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[str, Request] = {}
         self._live: dict[str, Request] = {}  # waiting and running requests by id (lookups once per token)
         self._cancelled: set[str] = set()
-        self._ids = itertools.count()
-        self._seeds = np.random.SeedSequence()
+        self._ids, self._seeds = itertools.count(), np.random.SeedSequence()
         chosen = self.config.async_steps
         self.async_steps = bool(getattr(model, "async_steps", False) if chosen is None else chosen)
         self.pipeline = StepPipeline(model, self.async_steps)
@@ -229,7 +229,7 @@ class ContinuousBatcher:
             raise UserError(f"a request of {len(prompt)} + {max_new_tokens} tokens exceeds the engine's "
                             f"{limit} positions (less {self.chunk - 1} for the padding of a "
                             "step)", "use a shorter prompt or fewer new tokens")
-        needed = -(-total // self.model.page_size)
+        needed = self.manager.pages_for(total, self.chunk)
         if needed > self.model.num_pages - 1:
             raise UserError(f"a request of {len(prompt)} + {max_new_tokens} tokens needs {needed} pages; the pool "
                             f"has {self.model.num_pages - 1}", "give the batcher more pages")
@@ -380,8 +380,9 @@ class ContinuousBatcher:
             if self.solo is not None and (req is not self.solo or rows):
                 break
             hits, hit_tokens = self.manager.get_computed_blocks(req.tokens)
-            taken = sum(1 for b in hits if b.ref_cnt == 0)  # cached blocks in the free queue: taken from it
-            if self._pages_needed(req) - len(hits) + taken + reserved > self.manager.num_free_blocks:
+            kept = [b for b in hits if not b.is_null]  # (behind a window the hits are the null block)
+            taken = sum(1 for b in kept if b.ref_cnt == 0)  # cached blocks in the free queue: taken from it
+            if self._pages_needed(req) - len(kept) + taken + reserved > self.manager.num_free_blocks:
                 break  # wait until what it needs is free: admitted requests then finish without preemption
             n = min(len(req.tokens) - hit_tokens, self.chunk, budget)
             blocks = self.manager.allocate_slots(req.request_id, n, hits)
@@ -401,19 +402,18 @@ class ContinuousBatcher:
         """Pages `req` holds once it has its prompt and its reserved output tokens."""
         reserve = min(req.max_new_tokens, self.config.reserve_new_tokens)
         tokens = max(len(req.prompt) + reserve, len(req.tokens) + 1)
-        return -(-tokens // self.manager.block_size)
+        return self.manager.pages_for(tokens, self.chunk)
 
     def _outstanding(self, req: Request) -> int:
         """Pages a running request may still take before its reservation is used up."""
-        return max(0, self._pages_needed(req) - len(self.manager.block_ids(req.request_id)))
+        return max(0, self._pages_needed(req) - self.manager.num_held(req.request_id))
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> StepOutput:
         """Run one step and process its tokens. Async: launch the next step first (it stays in flight),
         and return the tokens of the step launched before."""
-        start = time.perf_counter()
-        cancelled = self._drop_cancelled()
+        start, cancelled = time.perf_counter(), self._drop_cancelled()
         preempted: list[str] = []
         if self._inflight is None and self._ready is None:  # nothing in flight: this call's own step
             first = self._prepare(preempted)

@@ -22,10 +22,20 @@ included. A write into a block whose ref_cnt > 1 (or that is in the prefix map: 
 promised to future hits) first moves the writer to a fresh block; the result lists the (src, dst)
 pages the runtime must copy before the step runs.
 
+Sliding windows (`window` W: every layer of the model attends to at most its last W positions):
+a request's block-table entries wholly behind the window go back to the pool and point at the null
+page. The paged kernels never read them: with a window they read a row's table from the page holding
+`context_lens - S - W + 1` on, which is the step's first position - W + 1 (plugins/ort_ops/paged_gqa.h,
+paged_attention_kernels.cuh `lo`, the CPU kernel's `first_page`). A step frees the pages behind the
+window of the request's previous step start (not its own): with async scheduling that step may
+still be running and reading them. So a request holds at most `window_pages(chunk)` pages, whatever
+its length. Models with a global layer beside windowed ones (Gemma 2/3) share one table: no window.
+
 Invariants (asserted by `check_invariants`, run by the tests after every operation): the null block
 is never free nor owned; a block is in the free queue iff its ref_cnt is 0; ref_cnt equals the
 number of requests holding the block; the prefix map points only at blocks carrying that hash;
-a request holds exactly ceil(num_tokens / block_size) blocks.
+a request's table has exactly ceil(num_tokens / block_size) entries, its first `num_freed` the null
+block (only with a window, only pages behind it) and the others its own.
 """
 
 from __future__ import annotations
@@ -170,6 +180,8 @@ class _Seq:
     num_tokens: int = 0        # positions with a slot (written or about to be written this step)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix map
     ids: list[int] = field(default_factory=list)  # [b.block_id for b in blocks], kept in step (read per step)
+    num_freed: int = 0         # leading entries behind the window, given back (the null block)
+    last_start: int = 0        # first position of the last allocation (its step may still read)
 
     def __post_init__(self):
         self.ids = [b.block_id for b in self.blocks]
@@ -178,10 +190,13 @@ class _Seq:
 class KVCacheManager:
     """Per-request block tables over one BlockPool (the front door of the paged KV cache)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, window: int | None = None):
         if block_size < 1:
             raise UserError(f"page size {block_size} must be at least 1", "use 16, 32 or 64")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise UserError(f"sliding window {window!r} must be a positive integer", "give the model's window, or None")
         self.block_size = block_size
+        self.window = window  # every layer's keys: the last `window` positions (None: all)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.seqs: dict[str, _Seq] = {}
 
@@ -197,10 +212,30 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> tuple[int, ...]:
         return tuple(self.seqs[request_id].ids)
 
+    def num_held(self, request_id: str) -> int:
+        """Pages the request holds (its table less the entries given back behind the window)."""
+        seq = self.seqs.get(request_id)
+        return len(seq.blocks) - seq.num_freed if seq is not None else 0
+
+    def window_pages(self, chunk: int) -> int | None:
+        """The most pages a request holds with the window, steps of at most `chunk` tokens (None: no
+        window). Two steps' positions (this one's and the previous one's, see the module doc) plus the
+        window before them, each end rounded out to a page."""
+        if self.window is None:
+            return None
+        return -(-(self.window - 1 + 2 * chunk) // self.block_size) + 1
+
+    def pages_for(self, num_tokens: int, chunk: int) -> int:
+        """Pages a request of `num_tokens` positions holds at most, in steps of <= `chunk` tokens."""
+        full = -(-num_tokens // self.block_size)
+        bound = self.window_pages(chunk)
+        return full if bound is None else min(full, bound)
+
     def slots(self, request_id: str, start: int, count: int) -> list[int]:
         """Pool slots (page * block_size + offset) of positions start .. start + count - 1."""
         seq = self.seqs[request_id]
         assert start + count <= seq.num_tokens, "positions beyond the allocated slots"
+        assert start // self.block_size >= seq.num_freed or count == 0, "positions behind the window"
         bs = self.block_size
         return [seq.blocks[p // bs].block_id * bs + p % bs for p in range(start, start + count)]
 
@@ -215,7 +250,24 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        behind = self._behind_window(len(hits) * bs)  # the request's first step reads none of these
+        return [self.pool.null_block] * behind + hits[behind:], len(hits) * bs
+
+    def _behind_window(self, start: int) -> int:
+        """Table entries a step starting at position `start` never reads (the pages wholly before its
+        first position's window)."""
+        return 0 if self.window is None else max(0, start - self.window + 1) // self.block_size
+
+    def _give_back_behind_window(self, seq: _Seq) -> None:
+        """The request's pages behind the window of its last allocation's start go back to the pool."""
+        end = min(self._behind_window(seq.last_start), len(seq.blocks))
+        if end <= seq.num_freed:
+            return
+        gone = seq.blocks[seq.num_freed:end]
+        seq.blocks[seq.num_freed:end] = [self.pool.null_block] * len(gone)
+        seq.ids[seq.num_freed:end] = [self.pool.null_block.block_id] * len(gone)
+        seq.num_freed = end
+        self.pool.free_blocks(list(reversed(gone)))  # as `free`: the later block evicted first
 
     # ---------------------------------------------------------------- changes
 
@@ -223,18 +275,21 @@ class KVCacheManager:
                        computed_blocks: Sequence[KVBlock] = ()) -> KVCacheBlocks | None:
         """Slots for the next `num_new_tokens` positions of a request (creating it on first call,
         starting from the prefix-hit `computed_blocks`). None, with nothing changed, when the pool
-        cannot supply the blocks; the caller then preempts or waits."""
+        cannot supply the blocks; the caller then preempts or waits. With a window, pages behind the
+        window of the last allocation's start go back first (even when this one then fails)."""
         assert num_new_tokens >= 0
         seq = self.seqs.get(request_id)
         bs = self.block_size
         if seq is not None and not computed_blocks:
+            if self.window is not None:
+                self._give_back_behind_window(seq)
             # The common case (a decode step, a prompt chunk inside the last block): the positions fit in
             # the blocks held and the one block written is the request's own. Same result as below.
             start = seq.num_tokens
             end = start + num_new_tokens
             if end <= len(seq.blocks) * bs and (num_new_tokens == 0 or (
                     start // bs == (end - 1) // bs and not _shared(seq.blocks[start // bs]))):
-                seq.num_tokens = end
+                seq.num_tokens, seq.last_start = end, start
                 return KVCacheBlocks(tuple(seq.ids))
         if seq is None:
             seq = _Seq()
@@ -248,14 +303,19 @@ class KVCacheManager:
         # Existing blocks this step writes into that others hold or the prefix map promises: copy.
         cow = [i for i in range(start // bs, min(held, -(-end // bs)))
                if num_new_tokens and i < len(seq.blocks) and _shared(seq.blocks[i])]
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # hits waiting in the free queue
+        # A new request's prefix hits are full, cached blocks; those behind its window are the null block
+        # (get_computed_blocks), never read, held by no one.
+        behind = self._behind_window(start) if computed_blocks else 0
+        kept = list(computed_blocks[behind:])
+        assert all(b.is_null for b in computed_blocks[:behind]) and not any(b.is_null for b in kept)
+        revived = sum(1 for b in kept if b.ref_cnt == 0)  # hits waiting in the free queue
         if fresh + len(cow) + revived > self.pool.num_free_blocks:
             return None
-        if computed_blocks:  # a new request: its prefix hits are full, cached blocks
-            self.pool.touch(computed_blocks)
+        if computed_blocks:
+            self.pool.touch(kept)
             seq.blocks.extend(computed_blocks)
             seq.ids.extend(b.block_id for b in computed_blocks)
-            seq.num_cached_blocks = len(computed_blocks)
+            seq.num_cached_blocks, seq.num_freed = len(computed_blocks), behind
         copies = []
         for i in cow:
             (new,) = self.pool.get_new_blocks(1)
@@ -268,7 +328,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(max(fresh, 0)) or []
         seq.blocks.extend(new_blocks)
         seq.ids.extend(b.block_id for b in new_blocks)
-        seq.num_tokens = end
+        seq.num_tokens, seq.last_start = end, start
         self.seqs[request_id] = seq
         return KVCacheBlocks(tuple(seq.ids), tuple(copies))
 
@@ -278,11 +338,17 @@ class KVCacheManager:
         seq = self.seqs[request_id]
         assert num_written <= seq.num_tokens and len(token_ids) >= num_written
         full = num_written // self.block_size
-        if full <= seq.num_cached_blocks or not self.pool.enable_caching:
+        first = max(seq.num_cached_blocks, seq.num_freed)  # blocks given back behind the window: not cached
+        if full <= first or not self.pool.enable_caching:
             return 0
-        parent = seq.blocks[seq.num_cached_blocks - 1].block_hash if seq.num_cached_blocks else None
-        hashes = hash_blocks(token_ids[:full * self.block_size], self.block_size, parent,
-                             seq.num_cached_blocks)
+        if first == 0:
+            parent = None
+        elif first - 1 >= seq.num_freed:
+            parent = seq.blocks[first - 1].block_hash
+        else:  # the parent went back to the pool (window): its chained hash from the tokens
+            parent = hash_blocks(token_ids[:first * self.block_size], self.block_size)[-1]
+        hashes = hash_blocks(token_ids[:full * self.block_size], self.block_size, parent, first)
+        seq.num_cached_blocks = first
         added = 0
         for block, block_hash in zip(seq.blocks[seq.num_cached_blocks:full], hashes):
             self.pool.cache_block(block, block_hash)
@@ -297,15 +363,16 @@ class KVCacheManager:
         if child_id in self.seqs:
             raise ValueError(f"request {child_id!r} already exists")
         parent = self.seqs[parent_id]
-        self.pool.touch(parent.blocks)
-        self.seqs[child_id] = _Seq(list(parent.blocks), parent.num_tokens, parent.num_cached_blocks)
+        self.pool.touch(parent.blocks[parent.num_freed:])
+        self.seqs[child_id] = _Seq(list(parent.blocks), parent.num_tokens, parent.num_cached_blocks,
+                                   num_freed=parent.num_freed, last_start=parent.last_start)
         return KVCacheBlocks(self.block_ids(child_id))
 
     def free(self, request_id: str) -> None:
         """Release a finished (or preempted) request's blocks, tail first to be evicted first."""
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.pool.free_blocks(list(reversed(seq.blocks)))
+            self.pool.free_blocks(list(reversed(seq.blocks[seq.num_freed:])))
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Forget positions >= num_tokens (speculative rollback); whole blocks past them are freed."""
@@ -313,6 +380,10 @@ class KVCacheManager:
         if num_tokens >= seq.num_tokens:
             return
         keep = -(-num_tokens // self.block_size)
+        if self._behind_window(num_tokens) < seq.num_freed:
+            raise ValueError(f"request {request_id!r}: cannot roll back to {num_tokens} tokens, its pages "
+                             "before them went back behind the window")
+        seq.last_start = min(seq.last_start, num_tokens)
         self.pool.free_blocks(list(reversed(seq.blocks[keep:])))
         del seq.blocks[keep:]
         del seq.ids[keep:]
@@ -329,7 +400,11 @@ class KVCacheManager:
                 f"{rid}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens"
             assert 0 <= seq.num_cached_blocks <= len(seq.blocks)
             assert seq.ids == [b.block_id for b in seq.blocks], f"{rid}: block ids out of step with its blocks"
-            for block in seq.blocks:
+            assert seq.num_freed <= self._behind_window(seq.last_start) and seq.last_start <= seq.num_tokens, \
+                f"{rid}: {seq.num_freed} pages given back, behind the window of position {seq.last_start}"
+            assert all(b.is_null for b in seq.blocks[:seq.num_freed]), f"{rid}: a page behind its window is held"
+            for block in seq.blocks[seq.num_freed:]:
+                assert not block.is_null, f"{rid}: the null block in its window"
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         assert pool.null_block.ref_cnt == 0 and pool.null_block not in pool.free_queue
         assert pool.null_block.block_hash is None

@@ -32,6 +32,10 @@ A step:
                            `result()` waits for the event. `run` = launch + result. The scheduler's
                            async steps use `launch`: its host work for the next step runs meanwhile
 On the CPU (tests, CI) the same graph runs through the ops' CPU kernels, with no graphs.
+
+Sliding windows: when every layer's op has a local_window_size (Mistral-style), `kv_window` is the
+largest and the scheduler's block manager gives back the pages behind it (runtime/block_manager.py);
+one global layer (Gemma 2/3 alternate them) needs every page of the one shared table: None.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import onnx
 
 from enginesmith.core import engine_dir, io_names
 from enginesmith.core.errors import UserError
@@ -139,6 +144,9 @@ class PagedCudaEngine:
         self.max_positions = min(capacity or limit, limit)
         self.max_blocks = -(-limit // self.page_size)  # the graph's rotary tables bound the table width
         self.max_chunk = int(kernel_limits()["paged_attention"]["max_query_len"])
+        self.layer_windows = layer_windows(onnx_path)
+        windowed = bool(self.layer_windows) and None not in self.layer_windows
+        self.kv_window = max(self.layer_windows) if windowed else None  # type: ignore[type-var]
         self.max_batch = max_batch
         # the ORT ops read ES_BATCH_INVARIANT once per process; the scheduler then groups rows by width
         self.batch_invariant = os.environ.get("ES_BATCH_INVARIANT") == "1"
@@ -360,6 +368,18 @@ class PagedCudaEngine:
 
     def nbytes(self) -> int:
         return int(self.kv.numel() * self.kv.element_size())
+
+
+def layer_windows(onnx_path: str | Path) -> list[int | None]:
+    """Each paged attention op's sliding window (local_window_size > 0), or None (a global layer), in
+    graph order; the graph alone is read (its weights stay in their external data)."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    out: list[int | None] = []
+    for node in model.graph.node:
+        if node.op_type == "PagedGroupQueryAttention":
+            size = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+            out.append(int(size) if size > 0 else None)
+    return out
 
 
 def open_paged_engine(path: str | Path, device: str = "auto", max_batch: int | None = None,

@@ -2,10 +2,15 @@
 
     enginesmith serve --engine DIR | --model SPEC [--device auto|cpu|cuda] [--host 127.0.0.1] [--port 8000]
                       [--max-batch N] [--num-pages K] [--max-waiting N] [--api-key KEY] [--model-name NAME]
-                      [--devices 0,1 | --replicas N] [--door-workers N]
+                      [--devices 0,1 | --replicas N] [--door-workers N] [--engine-core thread|process]
 
     open the engine (runtime.load) ─▶ its PagedModel ─▶ one BatcherLoop (serving/loop.py) ─▶ the ASGI app
     ─▶ uvicorn; one line on stdout once it listens: "enginesmith serve: http://HOST:PORT ..."
+
+With --engine-core process the BatcherLoop runs in a child process that does nothing else
+(serving/engine_core.py); this process keeps HTTP, chat templates, tokenization, detokenization and
+stop strings, and talks to it through serving/core_client.py. A core that dies stops the server
+with one line and exit status 1; the core exits (its requests' pages freed) when this process dies.
 
 With --devices 0,1 (or --replicas N on one device) this process is a front door instead
 (serving/front_door.py): it starts one such server per GPU as a child process (serving/replicas.py;
@@ -99,7 +104,8 @@ def add_parser(verbs) -> None:
                    help="processes of the front door that accept requests and relay the answers, on one port "
                         "(default: 2 per replica, at most the CPU count)")
     r.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds the replicas may take to load their engines and listen (default 600)")
+                   help="seconds the replicas (or the engine core process) may take to load their engines "
+                        "(default 600)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help=f"rows per scheduler step (default {CPU_MAX_BATCH} on the CPU; a --for-cuda engine: its "
@@ -107,6 +113,11 @@ def add_parser(verbs) -> None:
     s.add_argument("--num-pages", type=int, default=None, metavar="K",
                    help="KV pages in the pool (default: what 1 GiB holds on the CPU; --gpu-memory-utilization of "
                         "the GPU for a --for-cuda engine)")
+    s.add_argument("--engine-core", choices=("thread", "process"), default="thread",
+                   help="where the scheduler and the engine steps run: thread (default), a thread of the server "
+                        "process; process, a child process that does nothing else, so HTTP, tokenization and "
+                        "detokenization do not share its GIL. thread stays the default until a GPU measurement "
+                        "shows the process wins (docs/results.md, Session 15)")
     s.add_argument("--chunk", type=int, default=None,
                    help=f"prompt tokens per row per step (default {CHUNK}, at most what the engine's attention takes)")
     p.set_defaults(func=cmd_serve)
@@ -217,6 +228,8 @@ def cmd_serve(args) -> int:
     if devices is not None or args.replicas > 1:
         return _serve_replicas(args, device, devices, config, api_key)
     watch_front_door()  # a replica of a front door: drain once that is gone
+    if args.engine_core == "process":
+        return _serve_core_process(args, device, config, api_key)
     args.batch = args.max_batch  # a --for-cuda paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args, config)
     try:
@@ -241,6 +254,34 @@ def cmd_serve(args) -> int:
         loop.close()
 
 
+def _serve_core_process(args, device: str, config: BuildConfig | None, api_key: str | None) -> int:
+    """serve over an engine core child process (serving/core_client.py): the engine opens there; this
+    process reads only the engine's manifest and tokenizer."""
+    from enginesmith.core import engine_dir
+    from enginesmith.runtime.protocols import LoadedEngine
+    from enginesmith.runtime.tokenizer import Tokenizer
+    from enginesmith.serving.core_client import CoreClient  # deferred: imports the runtime
+    from enginesmith.serving.engine_core import CoreSpec
+
+    if args.engine and args.model:
+        raise UserError("--engine and --model were both given", "pass only one of them")
+    path = Path(args.engine).resolve() if args.engine else cached_engine(config)
+    spec = CoreSpec(str(path), device, args.threads, args.max_batch, args.num_pages, args.chunk or CHUNK,
+                    args.gpu_memory_utilization, CPU_MAX_BATCH)
+    loop = CoreClient.start(spec, args.max_waiting, args.start_timeout)  # the core verifies the engine's files
+    try:
+        loaded = LoadedEngine(path, engine_dir.read_manifest(path), None, Tokenizer(path / "tokenizer"))
+        info = loop.info
+        name = args.model_name or loaded.manifest.source.name or loaded.path.name
+        print(f"enginesmith serve: engine core pid {loop.pid}", file=sys.stderr, flush=True)
+        return _serve(args, loaded, loop, name, api_key,
+                      f"model {name!r}, {device}, engine core process (pid {loop.pid}), up to {info.max_batch} "
+                      f"requests a step, {info.num_pages - 1} KV pages of {info.page_size} tokens"
+                      f"{', API key required' if api_key else ''}")
+    finally:
+        loop.close()
+
+
 def _serve(args, loaded, loop, name: str, api_key: str | None, summary: str) -> int:
     from enginesmith.serving.http_server import serve  # deferred: imports uvicorn (optional)
     from enginesmith.serving.openai_api import make_app  # deferred: imports starlette (optional)
@@ -253,6 +294,10 @@ def _serve(args, loaded, loop, name: str, api_key: str | None, summary: str) -> 
     except SystemExit:  # uvicorn's start-up failure (it logged why, e.g. the address is in use)
         raise UserError(f"cannot serve on {args.host}:{args.port} (see the message above)",
                         "choose another --port or --host, or stop what uses it") from None
+    failure = getattr(loop, "failure", None)
+    if failure:
+        print(f"enginesmith serve: stopped: {failure}; its requests ended with an error", file=sys.stderr)
+        return 1
     if cut_off:
         print(f"enginesmith serve: stopped; {cut_off} cut off requests still running", file=sys.stderr)
         return 1
@@ -306,6 +351,7 @@ def _replica_argv(args, engine: Path, device: str, replica_connections: int) -> 
             "--host", "127.0.0.1", "--port", "0", "--max-waiting", str(args.max_waiting),
             "--max-connections", str(min(replica_connections, MAX_CONNECTIONS)),
             "--drain-timeout", repr(args.drain_timeout), "--log-level", args.log_level,
+            "--engine-core", args.engine_core,
             "--gpu-memory-utilization", repr(args.gpu_memory_utilization)]
     for flag, value in (("--threads", args.threads), ("--model-name", args.model_name),
                         ("--max-batch", args.max_batch), ("--num-pages", args.num_pages), ("--chunk", args.chunk),

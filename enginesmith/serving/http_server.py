@@ -8,6 +8,8 @@
 The server keeps listening while it drains, so late clients get a clear 503 rather than a refused
 connection. No signal is re-raised afterwards (uvicorn's default), so a drained server exits 0.
 Once it listens, one line goes to stdout: "enginesmith serve: http://HOST:PORT (...)".
+A loop whose `failure` is set (an engine core process that died) stops the server at once: its
+requests already ended with an error; the caller reports the failure and exits 1.
 Connections are bounded (serving/conn_guard.py): timeouts on a request's head, its body and keep-alive
 idle, a cap on open connections (503 beyond it), and failed accepts logged one line at a time. A drain
 first closes the connections whose request has not been read yet (a half-sent body ends as a disconnect).
@@ -58,6 +60,9 @@ class DrainingServer(AnnouncingServer):
 
     async def on_tick(self, counter: int) -> bool:
         self.announce()
+        if getattr(self.batcher_loop, "failure", None) and not self.should_exit:  # the engine core died: stop
+            self.api.begin_drain()
+            self.should_exit = True
         if self.signals and self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain())
         return await super().on_tick(counter)

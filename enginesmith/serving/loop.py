@@ -86,10 +86,11 @@ class BatcherLoop:
 
     def __init__(self, model: PagedModel, config: SchedulerConfig | None = None, max_waiting: int = 256,
                  enable_prefix_caching: bool = True, decode: Callable[[Sequence[int]], str] | None = None,
-                 idle_wait: float = 0.05):
+                 idle_wait: float = 0.05, after_iteration: Callable[[], None] | None = None):
         self.batcher = ContinuousBatcher(model, config, enable_prefix_caching, decode)
         self.max_waiting = max_waiting
         self.idle_wait = idle_wait
+        self.after_iteration = after_iteration  # called on the loop thread after each turn (engine_core sends then)
         self._inbox: "queue.Queue[tuple]" = queue.Queue()
         self._handles: dict[str, Handle] = {}
         self._pending = 0                # submitted, not yet taken by the loop thread
@@ -106,9 +107,10 @@ class BatcherLoop:
     # ------------------------------------------------------------------ any thread
     def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                stop_strings: Sequence[str] = (), sampling: SamplingParams | None = None,
-               sink: Callable[[Event], None] | None = None) -> Handle:
+               sink: Callable[[Event], None] | None = None, request_id: str | None = None) -> Handle:
         """Queue a request; its events go to `sink` (or the handle's queue). UserError for a request
-        that cannot run, Overloaded when too many wait, Draining while shutting down."""
+        that cannot run, Overloaded when too many wait, Draining while shutting down. `request_id`:
+        the caller's own id (unique among those in flight), else one is made."""
         if not self._accepting:
             raise Draining("the server is shutting down")
         self.batcher.check_request(prompt, max_new_tokens, stop_strings)
@@ -117,14 +119,15 @@ class BatcherLoop:
             if waiting >= self.max_waiting:
                 raise Overloaded(waiting)
             self._pending += 1
-            rid = f"srv{next(self._ids)}"
+            rid = request_id or f"srv{next(self._ids)}"
         handle = Handle(rid, len(prompt), sink)
         self._inbox.put(("add", handle, (list(prompt), max_new_tokens, tuple(stop_token_ids), sampling,
                                          tuple(stop_strings), time.perf_counter())))
         return handle
 
-    def cancel(self, request_id: str) -> None:
-        """End a request (a client went away); its pages go back at the next step."""
+    def cancel(self, request_id: str, stopped: bool = False) -> None:
+        """End a request (a client went away); its pages go back at the next step. `stopped`: the
+        caller saw a stop string (here the batcher has ended such a request itself already)."""
         self._inbox.put(("cancel", request_id))
 
     def stats(self) -> LoopStats:
@@ -150,6 +153,11 @@ class BatcherLoop:
         """The loop thread runs (False after close(), or had it died): what a health check reports."""
         return self._thread.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the loop stopped without being closed, or None (a server exits when it is set)."""
+        return None if self._stop.is_set() or self._thread.is_alive() else "the scheduler thread stopped"
+
     def drain(self, timeout: float | None = None) -> bool:
         """Take no new requests; wait until those in flight end. True if they all did."""
         self._accepting = False
@@ -172,18 +180,24 @@ class BatcherLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._take_inbox(block=not self.batcher.has_unfinished)
-                if self._stop.is_set() or not self.batcher.has_unfinished:
-                    continue
-                try:
-                    out = self.batcher.step()
-                except Exception as exc:  # an engine failure ends the request at fault, not the server
-                    self._isolate(f"the engine failed: {type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:300]}")
-                    continue
-                self._publish(out)
-                self._clear_solo(out)
+                self._turn()
+                if self.after_iteration is not None:
+                    self.after_iteration()
         finally:
             self.batcher.close()  # with async steps: the step in flight ends, and the worker thread
+
+    def _turn(self) -> None:
+        """Take what the inbox holds (waiting for it when idle), then one step if anything runs."""
+        self._take_inbox(block=not self.batcher.has_unfinished)
+        if self._stop.is_set() or not self.batcher.has_unfinished:
+            return
+        try:
+            out = self.batcher.step()
+        except Exception as exc:  # an engine failure ends the request at fault, not the server
+            self._isolate(f"the engine failed: {type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:300]}")
+            return
+        self._publish(out)
+        self._clear_solo(out)
 
     def _take_inbox(self, block: bool) -> None:
         try:

@@ -1,4 +1,5 @@
-"""`enginesmith serve`'s HTTP front door: the OpenAI API over the one BatcherLoop (Starlette, ASGI).
+"""`enginesmith serve`'s HTTP front door: the OpenAI API over the one BatcherLoop (Starlette, ASGI), in
+this process or in an engine core process (serving/core_client.py's CoreClient, the same interface).
 
     POST /v1/completions        ─┐ auth ─ body (size-bounded) ─ parse + validate (openai_protocol)
     POST /v1/chat/completions   ─┘   ─ encode (chat template | text | token ids; in a worker thread)
@@ -138,7 +139,7 @@ class Generation:
                     self.tokens += 1
                     pieces.append(self.text.push(event[1]))
                     if self.text.stopped:  # a stop token, or a stop string the text shows first: it ends here
-                        self.close()
+                        self.close(stopped=True)
                         yield "".join(pieces), "stop"
                         return
                 elif event[0] == "done":
@@ -160,10 +161,10 @@ class Generation:
             parts.append(delta)
         return "".join(parts), finish
 
-    def close(self) -> None:
-        """End the request if it still runs (the client went away, or a stop string was seen)."""
+    def close(self, stopped: bool = False) -> None:
+        """End the request if it still runs (the client went away, or `stopped`: a stop string was seen)."""
         if not self.ended and self.request_id is not None:
-            self.loop.cancel(self.request_id)
+            self.loop.cancel(self.request_id, stopped=stopped)
         self.ended = True
 
 

@@ -257,11 +257,11 @@ def cmd_serve(args) -> int:
 def _serve_core_process(args, device: str, config: BuildConfig | None, api_key: str | None) -> int:
     """serve over an engine core child process (serving/core_client.py): the engine opens there; this
     process reads only the engine's manifest and tokenizer."""
-    from enginesmith.core import engine_dir
-    from enginesmith.runtime.protocols import LoadedEngine
-    from enginesmith.runtime.tokenizer import Tokenizer
+    from enginesmith.core import engine_dir  # deferred: only this path reads a manifest here
+    from enginesmith.runtime.protocols import LoadedEngine  # deferred: the runtime (optional; --help works without)
+    from enginesmith.runtime.tokenizer import Tokenizer  # deferred: imports tokenizers
     from enginesmith.serving.core_client import CoreClient  # deferred: imports the runtime
-    from enginesmith.serving.engine_core import CoreSpec
+    from enginesmith.serving.engine_core import CoreSpec  # deferred: with the client above
 
     if args.engine and args.model:
         raise UserError("--engine and --model were both given", "pass only one of them")

@@ -75,9 +75,9 @@ def send(conn: Connection, lock: threading.Lock, message: tuple) -> None:
 
 def open_loop(spec: CoreSpec, after_iteration):
     """The BatcherLoop over the engine of `spec`, and its CoreInfo. UserError/EngineError as serve gives them."""
-    from enginesmith.runtime.batching import SchedulerConfig  # deferred: onnxruntime, after the spec arrived
-    from enginesmith.runtime.load import open_engine, paged_model
-    from enginesmith.serving.loop import BatcherLoop
+    from enginesmith.runtime.batching import SchedulerConfig  # deferred: the runtime, once the spec arrived
+    from enginesmith.runtime.load import open_engine, paged_model  # deferred: imports onnxruntime
+    from enginesmith.serving.loop import BatcherLoop  # deferred: imports the runtime
 
     loaded = open_engine(spec.engine, device=spec.device, threads=spec.threads, max_batch=spec.max_batch or 1,
                          num_pages=spec.num_pages, gpu_memory_utilization=spec.gpu_memory_utilization)

@@ -5,26 +5,24 @@
     report = run_pipeline("fp32/model.onnx", "out/model.onnx", steps,
                           calibration=calibration_set(tokenizer))
 
-Modules: registry (names, params, presets, pipeline text), pipeline (run + verify + atomic write),
-verify, calibrate, hessian (GPTQ's X^T X), match (the one pattern mechanism), linears, sites, fold,
-qmath, edit, and the passes: smoothquant, awq, awq_clip, gptq, w8a8 (quantize_w8a8), llm_int8,
-w4a16 (quantize_w4a16), embedding (quantize_embedding), kv_ring, kv_h2o, kv_paged, lower_ort
-(+ lower_ort_int8). Any other module here that registers a pass
-is found by `passes()`.
+Folders, each importing only those below it (tests/test_layers.py holds the rule):
+
+    manager/    steps (find passes, pipeline text), presets, pipeline (run + verify + atomic write), verify
+    kv/         KV cache layout and format: kv_ring, kv_h2o, kv_paged, paged_gqa, quantize_kv
+    lower/      a backend's ops: lower_ort, lower_gqa, ort_attention, ort_gemv, lower_paged
+    quant/      smoothquant, awq, awq_clip, gptq, quantize_w8a8, llm_int8, quantize_w4a16, sparsify, ...
+    analysis/   calibrate, hessian, linears, sites, kv_calibrate       fusion/  fuse_attention, fuse_matmul, ...
+    machinery/  registry (the table passes register into), match (the one pattern mechanism), edit
+
+Any module of fusion/, quant/, lower/ or kv/ that registers a pass is found by `passes()`.
 """
 
 from enginesmith.passes.analysis.calibrate import CalibrationSet, calibration_set, from_tokens
-from enginesmith.passes.machinery.pipeline import run_pipeline
-from enginesmith.passes.machinery.registry import (
-    PRESETS,
-    Step,
-    build_pipeline,
-    make_step,
-    parse_pipeline,
-    passes,
-    preset_steps,
-)
-from enginesmith.passes.machinery.verify import PassCheckError
+from enginesmith.passes.machinery.registry import Step
+from enginesmith.passes.manager.pipeline import run_pipeline
+from enginesmith.passes.manager.presets import PRESETS, build_pipeline, preset_steps
+from enginesmith.passes.manager.steps import make_step, parse_pipeline, passes
+from enginesmith.passes.manager.verify import PassCheckError
 
 __all__ = [
     "CalibrationSet", "PRESETS", "PassCheckError", "Step", "build_pipeline", "calibration_set",

@@ -1,6 +1,6 @@
 """The dense CUDA engine with quantized KV buffers (`build --for-cuda --custom-attention --kv-dtype
 int8|fp8`), run on the CPU through the ORT ops' CPU kernels: the build calibrates per-channel scales into
-the graph (passes/lower/ort_kv_quant.py), the runtime allocates int8 / uint8 buffers (half the bytes),
+the graph (passes/kv/ort_kv_quant.py), the runtime allocates int8 / uint8 buffers (half the bytes),
 and the logits stay close to the fp16-KV engine's on the same steps. Also: what the build refuses.
 
 Tolerance: tests/test_paged_kv_quant.py's, for the same reason (the same model, text, calibration and

@@ -111,7 +111,7 @@ def test_sparse_reference_refuses_a_non_24_weight():
 
 @pytest.mark.parametrize("method", ["magnitude", "wanda"])
 def test_sparsify_prunes_every_linear_but_the_lm_head(method, tiny_engine, calib, tmp_path, private_cache):
-    from enginesmith.passes.machinery.pipeline import run_pipeline
+    from enginesmith.passes.manager.pipeline import run_pipeline
     from enginesmith.runtime.ort_engine import OrtEngine
 
     src = tiny_engine("llama") / "model.onnx"
@@ -183,7 +183,7 @@ def test_ir_op_lowered_for_ort_equals_the_direct_lowering(tiny_engine):
 
 def test_trt_lowering_writes_sparse_gemm_plugin_nodes(tmp_path):
     from enginesmith.build import trt_lint
-    from enginesmith.passes.machinery.pipeline import run_pipeline
+    from enginesmith.passes.manager.pipeline import run_pipeline
     from test_kv_paged import h64_fp16_graph
 
     src = h64_fp16_graph()
@@ -210,7 +210,7 @@ def test_trt_lowering_refuses_plugin_weights_beyond_the_protobuf_limit(tmp_path,
     lowered here to three 128x128 float16 weights; the test model has 14 such layers or larger.
     The IR op (lower=none) keeps W an initializer, saved in external data like every other weight."""
     import enginesmith.passes.quant.sparsify as module
-    from enginesmith.passes.machinery.pipeline import run_pipeline
+    from enginesmith.passes.manager.pipeline import run_pipeline
     from test_kv_paged import h64_fp16_graph
 
     monkeypatch.setattr(module, "INLINE_LIMIT", 3 * 128 * 128 * 2)

@@ -220,7 +220,7 @@ def _lower(src: Path, tmp: Path, config: BuildConfig, progress: bool) -> None:
     """Write the ort-cuda engine lowered from the engine at `src` into `tmp`: the graph, the tokenizer
     and build.json (the source's, with the passes appended and kv_layout.io = GQA_IO, or PAGED_GQA_IO)."""
     from enginesmith.passes import calibration_set, run_pipeline  # deferred: imports onnx, onnxruntime
-    from enginesmith.passes.machinery.registry import calibrated_steps  # deferred: imports onnx
+    from enginesmith.passes.manager.steps import calibrated_steps  # deferred: imports onnx
     from transformers import AutoTokenizer  # deferred: heavy, only to calibrate quantized KV pages
 
     manifest = engine_dir.verify(src, onnx_graph=True)
@@ -271,7 +271,7 @@ def _cuda_kv_layout(config: BuildConfig, capacity: int) -> dict:
 
 def _run_passes(config: BuildConfig, pass_steps: list, src: Path, dst: Path, tokenizer, progress: bool) -> list[dict]:
     from enginesmith.passes import calibration_set, run_pipeline  # deferred: imports onnx, onnxruntime
-    from enginesmith.passes.machinery.registry import calibrated_steps  # deferred: imports onnx
+    from enginesmith.passes.manager.steps import calibrated_steps  # deferred: imports onnx
 
     calibration = None
     if calibrated_steps(pass_steps):
@@ -281,7 +281,7 @@ def _run_passes(config: BuildConfig, pass_steps: list, src: Path, dst: Path, tok
 
 def _calibration_note(config: BuildConfig, pass_steps: list) -> dict | None:
     from enginesmith.passes.analysis.calibrate import DEFAULT_NOVEL  # deferred: imports onnx
-    from enginesmith.passes.machinery.registry import calibrated_steps  # deferred: imports onnx
+    from enginesmith.passes.manager.steps import calibrated_steps  # deferred: imports onnx
 
     if not pass_steps or not calibrated_steps(pass_steps):
         return None

@@ -56,6 +56,10 @@ class CalibrationSet:
         return {"name": self.name, "samples": self.samples, "seq_len": int(self.windows.shape[1]),
                 "key": self.key}
 
+    def activation_stats(self, onnx_path: str | os.PathLike, names: list[str], progress: bool = True) -> dict:
+        """`collect` over this set: what PassContext.stats asks the calibration it was given."""
+        return collect(onnx_path, names, self, progress=progress)
+
 
 def from_tokens(tokens, name: str, samples: int = DEFAULT_SAMPLES,
                 seq_len: int = DEFAULT_SEQ_LEN) -> CalibrationSet:

@@ -42,6 +42,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern as _p
 
 from enginesmith.passes.machinery import match
+from enginesmith.passes.machinery.edit import ensure_opset, remove_dead_nodes
 from enginesmith.passes.machinery.match import Match, Rule
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
@@ -252,18 +253,6 @@ def _fuse(graph: ir.Graph, m: Match) -> bool:
     return folded
 
 
-def ensure_opset(model: ir.Model, opset: int) -> bool:
-    """Raise the default-domain opset to at least `opset` (version converter); True if it changed."""
-    current = model.opset_imports.get("", 1)
-    if current >= opset:
-        return False
-    from onnxscript import version_converter
-
-    version_converter.convert_version(model, opset, fallback=True)
-    model.opset_imports[""] = opset
-    return True
-
-
 def annotate(model: ir.Model) -> None:
     """Give Constant nodes' outputs their const_value (TorchScript graphs keep scalars in Constants)
     and values their types and shapes (ONNX shape inference, large weights left out of it)."""
@@ -272,12 +261,6 @@ def annotate(model: ir.Model) -> None:
 
     basic_constant_propagation(model.graph)
     ShapeInferencePass(strict_mode=False)(model)
-
-
-def remove_dead_nodes(model: ir.Model) -> None:
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
-
-    RemoveUnusedNodesPass()(model)
 
 
 @register("fuse_attention", FuseAttentionParams, exact=True)
@@ -302,4 +285,4 @@ def fuse_attention(model: ir.Model, params: FuseAttentionParams | None = None,
 
 
 __all__ = ["FuseAttentionParams", "UnfusedAttention", "fuse_attention",
-           "ensure_opset", "repeat_source", "dense_kv_reason"]
+           "repeat_source", "dense_kv_reason"]

@@ -8,7 +8,7 @@ after the step) and slot_mapping [B, S] (where each new token's K/V goes); atten
 the graph. Two steps, one module each:
 
   paged_rewrite   every layer's Attention -> enginesmith.PagedAttention (the IR op; `lower=none`
-                  stops here, to be lowered later by the `lower_paged` pass)
+                  stops here, to be lowered later by the `lower_paged` pass, lower/paged_lower.py)
   paged_lower     the IR op -> cpu: standard ops (ScatterND/Gather/Attention, any ONNX Runtime EP),
                   cuda: com.microsoft.PagedAttention, trt: the TensorRT plugin node
 
@@ -47,16 +47,6 @@ class KVPagedParams:
                             "use cpu (ONNX Runtime, any EP), cuda (com.microsoft.PagedAttention), trt or none")
 
 
-@dataclass(frozen=True)
-class LowerPagedParams:
-    target: str = "cpu"
-
-    def __post_init__(self):
-        if self.target not in TARGETS:
-            raise UserError(f"lower_paged target={self.target!r} is not cpu, cuda or trt",
-                            "use cpu, cuda or trt")
-
-
 @register("kv_paged", KVPagedParams, exact=lambda p: p.lower == "cpu" and p.verify)
 def kv_paged(model: ir.Model, params: KVPagedParams | None = None, ctx: PassContext | None = None) -> PassResult:
     """Dense concat KV cache -> enginesmith.PagedAttention over page pools + block tables + slot
@@ -67,11 +57,3 @@ def kv_paged(model: ir.Model, params: KVPagedParams | None = None, ctx: PassCont
     if params.lower != "none":
         counts["lowered"] = lower_paged_graph(model, params.lower)
     return PassResult(counts)
-
-
-@register("lower_paged", LowerPagedParams, exact=False)
-def lower_paged(model: ir.Model, params: LowerPagedParams | None = None, ctx: PassContext | None = None) -> PassResult:
-    """enginesmith.PagedAttention (kv_paged:lower=none) -> cpu decomposition, com.microsoft.PagedAttention
-    (cuda) or the TensorRT plugin node (trt). Not compared by the manager: its input does not run on ORT."""
-    params = params or LowerPagedParams()
-    return PassResult({"lowered": lower_paged_graph(model, params.target)})

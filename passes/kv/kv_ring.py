@@ -58,16 +58,14 @@ import onnx_ir as ir
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.export import attention_meta
-from enginesmith.passes.fusion.fuse_attention import ensure_opset, remove_dead_nodes
 from enginesmith.passes.kv.dense_attention import dense_kv_rules, layer_index
 from enginesmith.passes.kv.ring_rope import RopeCloner, rotary_for_cache
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node
+from enginesmith.passes.machinery.edit import KV_LAYOUT_KEY, Namer, add_initializer, add_node, ensure_opset, remove_dead_nodes
 from enginesmith.passes.machinery.match import Match
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
 RING_OPSET = 24  # TensorScatter
-METADATA_KEY = "enginesmith.kv_layout"
 
 
 @dataclass(frozen=True)
@@ -295,7 +293,7 @@ def kv_ring(model: ir.Model, params: KVRingParams | None = None, ctx: PassContex
     graph.sort()
     _check_inputs_consumed(model)
     ensure_opset(model, RING_OPSET)
-    model.metadata_props[METADATA_KEY] = json.dumps(
+    model.metadata_props[KV_LAYOUT_KEY] = json.dumps(
         {"type": "ring", "sinks": params.sinks, "window": params.window, "capacity": params.capacity,
          **({"sliding_window": sliding, "max_exact_chunk": params.window - sliding + 1} if sliding else {})})
     return PassResult({"ring_layers": len(found), **({"sliding_window": sliding} if sliding else {})}, rejected)

@@ -35,14 +35,11 @@ from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.export import attention_meta
 from enginesmith.core.io_names import GRAPH_DOMAIN as DOMAIN
-from enginesmith.passes.fusion.fuse_attention import ensure_opset, remove_dead_nodes
 from enginesmith.passes.kv.dense_attention import dense_kv_rules, layer_index
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Emit, Namer
+from enginesmith.passes.machinery.edit import KV_LAYOUT_KEY, SWAP_HEADS_SEQ, Emit, Namer, ensure_opset, remove_dead_nodes
 from enginesmith.passes.machinery.match import Match
 
-METADATA_KEY = "enginesmith.kv_layout"
-PERM = [0, 2, 1, 3]  # [B, heads, S, D] <-> [B, S, heads, D]
 
 
 RULES = dense_kv_rules(plain_softmax=("is_causal", "softcap", "qk_matmul_output_mode"), static_heads=True,
@@ -75,9 +72,9 @@ def _paged_one(graph: ir.Graph, namer: Namer, m: Match, layer: int, page_size: i
     dtype = q.type.dtype
     scale = match.attr(att, "scale", None) or 1.0 / math.sqrt(dim)
     emit = Emit(graph, namer, f"paged_{layer}")
-    q4 = emit("Transpose", [q], {"perm": PERM}, dtype, [batch, seq, heads, dim])
-    k4 = emit("Transpose", [m["k_new"]], {"perm": PERM}, dtype, [batch, seq, kv_heads, dim])
-    v4 = emit("Transpose", [m["v_new"]], {"perm": PERM}, dtype, [batch, seq, kv_heads, dim])
+    q4 = emit("Transpose", [q], {"perm": SWAP_HEADS_SEQ}, dtype, [batch, seq, heads, dim])
+    k4 = emit("Transpose", [m["k_new"]], {"perm": SWAP_HEADS_SEQ}, dtype, [batch, seq, kv_heads, dim])
+    v4 = emit("Transpose", [m["v_new"]], {"perm": SWAP_HEADS_SEQ}, dtype, [batch, seq, kv_heads, dim])
     for pool in (past_k, past_v):
         pool.shape = ir.Shape(["num_pages", page_size, kv_heads, dim])
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_size": dim, "block_size": page_size,
@@ -87,7 +84,7 @@ def _paged_one(graph: ir.Graph, namer: Namer, m: Match, layer: int, page_size: i
     out.type, out.shape = ir.TensorType(dtype), ir.Shape([batch, seq, heads, dim])
     for value, pool in ((k_out, past_k), (v_out, past_v)):
         value.type, value.shape = pool.type, pool.shape
-    y = emit("Transpose", [out], {"perm": PERM}, dtype, att.outputs[0].shape)
+    y = emit("Transpose", [out], {"perm": SWAP_HEADS_SEQ}, dtype, att.outputs[0].shape)
     for node in emit.nodes:
         graph.insert_before(att, node)
     att.outputs[0].replace_all_uses_with(y)
@@ -169,6 +166,6 @@ def rewrite_paged(model: ir.Model, page_size: int) -> dict[str, int]:
     graph.inputs.remove(mask)
     model.opset_imports[DOMAIN] = 1
     ensure_opset(model, 23)
-    model.metadata_props[METADATA_KEY] = json.dumps({"type": "paged", "page_size": page_size, "lower": "none"})
+    model.metadata_props[KV_LAYOUT_KEY] = json.dumps({"type": "paged", "page_size": page_size, "lower": "none"})
     return {"paged_layers": len(found)}
 

@@ -1,4 +1,5 @@
-"""Lowerings of `enginesmith.PagedAttention` (made by paged_rewrite) for a backend.
+"""lower_paged: `enginesmith.PagedAttention` (made by kv/paged_rewrite.py) -> a backend's ops. The kv_paged
+pass lowers the same way in one step (its `lower` parameter), through `lower_paged_graph`.
 
 Inputs of the op: q [B,S,H,D], k, v [B,S,Hkv,D], the pools k_cache, v_cache [NB,BS,Hkv,D],
 block_tables [B,MB], context_lens [B], slot_mapping [B,S] (int32); outputs y [B,S,H,D] and the two
@@ -22,19 +23,30 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
-from enginesmith.core.io_names import MS_DOMAIN, TRT_DOMAIN
-from enginesmith.passes.kv.paged_rewrite import DOMAIN, METADATA_KEY, PERM
+from enginesmith.core.io_names import GRAPH_DOMAIN as DOMAIN, MS_DOMAIN, TRT_DOMAIN
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Emit, Namer
+from enginesmith.passes.machinery.edit import KV_LAYOUT_KEY, SWAP_HEADS_SEQ, Emit, Namer
+from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("cpu", "cuda", "trt")
 HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+@dataclass(frozen=True)
+class LowerPagedParams:
+    target: str = "cpu"
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise UserError(f"lower_paged target={self.target!r} is not cpu, cuda or trt",
+                            "use cpu, cuda or trt")
 
 
 def _paged_nodes(model: ir.Model) -> list[ir.Node]:
@@ -89,11 +101,11 @@ def _lower_cpu(graph: ir.Graph, namer: Namer, node: ir.Node, shared: _CpuShared)
         rows = e("Compress", [e("Reshape", [new, row_shape], dtype=dtype), shared.keep], {"axis": 0}, dtype)
         written = e("ScatterND", [cache, shared.index, rows], dtype=dtype, shape=cache.shape)
         pages = e("Gather", [written, tables], {"axis": 0}, dtype)                       # [B,MB,BS,Hkv,D]
-        seqs.append(e("Transpose", [e("Reshape", [pages, seq_shape], dtype=dtype)], {"perm": PERM}, dtype))
+        seqs.append(e("Transpose", [e("Reshape", [pages, seq_shape], dtype=dtype)], {"perm": SWAP_HEADS_SEQ}, dtype))
         caches.append(written)
-    attn = e("Attention", [e("Transpose", [q], {"perm": PERM}, dtype), *seqs, shared.mask],
+    attn = e("Attention", [e("Transpose", [q], {"perm": SWAP_HEADS_SEQ}, dtype), *seqs, shared.mask],
              {"scale": float(match.attr(node, "scale", 0.0)) or 1.0 / math.sqrt(dim)}, dtype)
-    out = e("Transpose", [attn], {"perm": PERM}, dtype)
+    out = e("Transpose", [attn], {"perm": SWAP_HEADS_SEQ}, dtype)
     ir.convenience.replace_nodes_and_values(graph, node, [node], e.nodes, list(node.outputs), [out, *caches])
 
 
@@ -181,8 +193,15 @@ def lower_paged_graph(model: ir.Model, target: str) -> int:
     graph.sort()
     if not any(n.domain == DOMAIN for n in graph):
         model.opset_imports.pop(DOMAIN, None)
-    layout = json.loads(model.metadata_props.get(METADATA_KEY, "{}"))
+    layout = json.loads(model.metadata_props.get(KV_LAYOUT_KEY, "{}"))
     layout["lower"] = target
-    model.metadata_props[METADATA_KEY] = json.dumps(layout)
+    model.metadata_props[KV_LAYOUT_KEY] = json.dumps(layout)
     return len(nodes)
 
+
+@register("lower_paged", LowerPagedParams, exact=False)
+def lower_paged(model: ir.Model, params: LowerPagedParams | None = None, ctx: PassContext | None = None) -> PassResult:
+    """enginesmith.PagedAttention (kv_paged:lower=none) -> cpu decomposition, com.microsoft.PagedAttention
+    (cuda) or the TensorRT plugin node (trt). Not compared by the manager: its input does not run on ORT."""
+    params = params or LowerPagedParams()
+    return PassResult({"lowered": lower_paged_graph(model, params.target)})

@@ -1,5 +1,6 @@
 """Direct graph edits shared by the passes: replace a constant, add an initializer, add a node,
-build a group of nodes for one rewrite (Emit).
+build a group of nodes for one rewrite (Emit), Q/DQ around a value, raise the opset, drop dead nodes;
+and the graph conventions more than one folder of passes writes (the KV layout metadata key).
 
 Passes change only the tensors they touch; every other initializer stays a lazy external tensor
 (onnx_ir memory-maps it), so a pass over a large model holds only its own new arrays in RAM.
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+
+KV_LAYOUT_KEY = "enginesmith.kv_layout"  # graph metadata: the KV layout the kv and lower passes wrote (JSON)
+SWAP_HEADS_SEQ = [0, 2, 1, 3]            # Transpose perm: [B, heads, S, D] <-> [B, S, heads, D]
 
 
 class Namer:
@@ -145,3 +149,32 @@ def replace_value(graph: ir.Graph, old: ir.Value, new: ir.Value, name: str) -> N
     ir.convenience.replace_all_uses_with(old, new)
     if output_name is not None:
         old.name, new.name = None, output_name
+
+
+def qdq(graph: ir.Graph, namer: Namer, x: ir.Value, scale: ir.Value, zp: ir.Value,
+        before: ir.Node) -> ir.Value:
+    """QuantizeLinear + DequantizeLinear of `x` (int8), inserted before `before`; returns the
+    dequantized value, of x's type and shape."""
+    q = add_node(graph, namer, "QuantizeLinear", [x, scale, zp], like=x, dtype=ir.DataType.INT8,
+                 before=before, base=f"{x.name}_q")
+    return add_node(graph, namer, "DequantizeLinear", [q, scale, zp], like=x, dtype=x.type.dtype,
+                    before=before, base=f"{x.name}_dq")
+
+
+def ensure_opset(model: ir.Model, opset: int) -> bool:
+    """Raise the default-domain opset to at least `opset` (version converter); True if it changed."""
+    current = model.opset_imports.get("", 1)
+    if current >= opset:
+        return False
+    from onnxscript import version_converter
+
+    version_converter.convert_version(model, opset, fallback=True)
+    model.opset_imports[""] = opset
+    return True
+
+
+def remove_dead_nodes(model: ir.Model) -> None:
+    """Drop the nodes whose outputs nothing reads (after a rewrite left the old ones behind)."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)

@@ -21,10 +21,10 @@ import numpy as np
 import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
-from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node
+from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node, qdq
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 from enginesmith.passes.quant import qmath
-from enginesmith.passes.quant.w8a8 import _act_qdq, _weight_dq, chosen_or_fail
+from enginesmith.passes.quant.w8a8 import chosen_or_fail, weight_dq
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,13 @@ def llm_int8(model: ir.Model, params: LlmInt8Params, ctx: PassContext) -> PassRe
         w = lin.weight_kn()
         if len(idx):
             lin_in = type(lin)(lin.node, masked, lin.k_axis, lin.transposed_by, lin.bias, lin.is_lm_head)
-            lin.node.replace_input_with(0, _act_qdq(graph, namer, lin_in, scale, zp))
+            lin.node.replace_input_with(0, qdq(graph, namer, lin_in.x, scale, zp, before=lin_in.node))
             w_out = add_initializer(graph, namer, f"{lin.weight.name}_outlier_rows",
                                     np.ascontiguousarray(w[idx].astype(lin.weight.const_value.dtype.numpy())))
             inlier = w.copy()
             inlier[idx] = 0.0
             q, s = qmath.int8_per_channel(inlier)
-            _weight_dq(graph, namer, lin, q, s)
+            weight_dq(graph, namer, lin, q, s)
             uses = list(y.uses())
             order = {id(n): i for i, n in enumerate(graph)}
             first = min((u.node for u in uses), key=lambda n: order[id(n)])
@@ -102,9 +102,9 @@ def llm_int8(model: ir.Model, params: LlmInt8Params, ctx: PassContext) -> PassRe
                 use.node.replace_input_with(use.idx, total)
             mixed += 1
         else:
-            lin.node.replace_input_with(0, _act_qdq(graph, namer, lin, scale, zp))
+            lin.node.replace_input_with(0, qdq(graph, namer, lin.x, scale, zp, before=lin.node))
             q, s = qmath.int8_per_channel(w)
-            _weight_dq(graph, namer, lin, q, s)
+            weight_dq(graph, namer, lin, q, s)
     counts = {"linears": len(chosen), "mixed_linears": mixed,
               "outlier_channels": sum(len(v[0]) for v in per_x.values()), "activations": len(per_x)}
     return PassResult(counts, skipped, details)

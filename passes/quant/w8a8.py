@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
 from enginesmith.passes.quant import qmath
-from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node
+from enginesmith.passes.machinery.edit import Namer, add_initializer, add_node, qdq
 from enginesmith.passes.analysis.linears import Linear, find_linears, select
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
@@ -40,7 +40,7 @@ def chosen_or_fail(model: ir.Model, include_lm_head: bool, what: str) -> tuple[l
     return chosen, skipped + rejected
 
 
-def _weight_dq(graph: ir.Graph, namer: Namer, lin: Linear, q_kn: np.ndarray, scale: np.ndarray) -> None:
+def weight_dq(graph: ir.Graph, namer: Namer, lin: Linear, q_kn: np.ndarray, scale: np.ndarray) -> None:
     """Replace the linear's weight by DequantizeLinear(int8 weight, per-N scale), same layout."""
     n_axis = 1 - lin.k_axis
     old = lin.weight
@@ -52,15 +52,6 @@ def _weight_dq(graph: ir.Graph, namer: Namer, lin: Linear, q_kn: np.ndarray, sca
     out = add_node(graph, namer, "DequantizeLinear", [wq, ws, zp], {"axis": n_axis}, dtype=dtype,
                    shape=ir.Shape(stored.shape), before=lin.reader, base=f"{old.name}_dq")
     lin.reader.replace_input_with(lin.w_index, out)
-
-
-def _act_qdq(graph: ir.Graph, namer: Namer, lin: Linear, scale: ir.Value, zp: ir.Value) -> ir.Value:
-    """Q/DQ on the linear's input, inserted before it; returns the dequantized value."""
-    x = lin.x
-    q = add_node(graph, namer, "QuantizeLinear", [x, scale, zp], like=x, dtype=ir.DataType.INT8,
-                 before=lin.node, base=f"{x.name}_q")
-    return add_node(graph, namer, "DequantizeLinear", [q, scale, zp], like=x, dtype=x.type.dtype,
-                    before=lin.node, base=f"{x.name}_dq")
 
 
 @register("quantize_w8a8", W8A8Params, exact=False, calibrated=True)
@@ -79,8 +70,8 @@ def quantize_w8a8(model: ir.Model, params: W8A8Params, ctx: PassContext) -> Pass
         scale = add_initializer(graph, namer, f"{x.name}_scale",
                                 np.array(qmath.act_scale(tensor_max), dtype=x.type.dtype.numpy()))
         zp = add_initializer(graph, namer, f"{x.name}_zero", np.array(0, np.int8))
-        lin.node.replace_input_with(0, _act_qdq(graph, namer, lin, scale, zp))
+        lin.node.replace_input_with(0, qdq(graph, namer, lin.x, scale, zp, before=lin.node))
         q, scale = qmath.int8_per_channel(lin.weight_kn())
-        _weight_dq(graph, namer, lin, q, scale)
+        weight_dq(graph, namer, lin, q, scale)
     counts = {"linears": len(chosen), "activations": len(seen), "skipped": len(skipped)}
     return PassResult(counts, skipped, details)

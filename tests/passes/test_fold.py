@@ -9,9 +9,9 @@ import pytest
 from enginesmith.passes import run_pipeline
 from enginesmith.passes.machinery.edit import Namer
 from enginesmith.passes.quant.fold import fold_scales
-from enginesmith.passes.machinery.pipeline import save
+from enginesmith.passes.manager.pipeline import save
 from enginesmith.passes.analysis.sites import plan
-from enginesmith.passes.machinery.verify import compare
+from enginesmith.passes.manager.verify import compare
 
 from quant_helpers import ort_logits
 

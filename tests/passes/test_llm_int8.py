@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from enginesmith.passes import run_pipeline
 from enginesmith.passes.analysis.calibrate import ActStats
-from enginesmith.passes.machinery.pipeline import save
+from enginesmith.passes.manager.pipeline import save
 from enginesmith.passes.machinery.registry import PassContext
 from enginesmith.passes.quant import qmath
 from enginesmith.passes.quant.llm_int8 import LlmInt8Params, llm_int8, outlier_channels

@@ -20,7 +20,7 @@ import pytest
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.passes import run_pipeline
-from enginesmith.passes.lower.ort_paged_gqa import PagedGqaParams, paged_gqa
+from enginesmith.passes.kv.ort_paged_gqa import PagedGqaParams, paged_gqa
 
 CAPACITY = 64
 DENSE_STEPS = f"lower_gqa:capacity={CAPACITY},skip_rmsnorm,matmul_transb,ort_gemv,ort_attention"

@@ -12,7 +12,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.passes import from_tokens, run_pipeline
 from enginesmith.passes.analysis import calibrate
 from enginesmith.passes.analysis.linears import find_linears
-from enginesmith.passes.machinery.pipeline import save
+from enginesmith.passes.manager.pipeline import save
 from enginesmith.passes.machinery.registry import PassResult, Step, register
 
 

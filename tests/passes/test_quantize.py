@@ -12,8 +12,8 @@ from enginesmith.passes.quant import qmath
 from enginesmith.passes.machinery.edit import Namer, set_constant
 from enginesmith.passes.analysis.linears import find_linears, select
 from enginesmith.passes.lower.lower_ort import pack_int4
-from enginesmith.passes.machinery.pipeline import save
-from enginesmith.passes.machinery.verify import compare
+from enginesmith.passes.manager.pipeline import save
+from enginesmith.passes.manager.verify import compare
 
 
 def _ops(path) -> list[str]:

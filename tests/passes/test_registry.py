@@ -6,7 +6,7 @@ import pytest
 
 from enginesmith.core.errors import UserError
 from enginesmith.passes import PRESETS, build_pipeline, parse_pipeline, passes, preset_steps
-from enginesmith.passes.machinery.registry import calibrated_steps
+from enginesmith.passes.manager.steps import calibrated_steps
 
 
 def test_parse_pipeline_names_params_and_types():

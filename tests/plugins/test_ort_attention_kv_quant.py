@@ -172,7 +172,7 @@ def test_pass_refuses_layers_it_cannot_quantize_with_the_reason(change, words):
     from enginesmith.core.errors import UserError
     from enginesmith.passes.lower.lower_gqa import CAPACITY_KEY
     from enginesmith.passes.lower.ort_attention import ort_attention
-    from enginesmith.passes.lower.ort_kv_quant import quantize_kv
+    from enginesmith.passes.kv.ort_kv_quant import quantize_kv
 
     model = _pass_model(**change)
     ort_attention(model)

@@ -18,7 +18,7 @@ The op writes the new K/V as codes and reads every key and value decoded (plugin
 plugins/paged_attention/kv_quant.h holds the one definition of the codes). The scales are the paged
 engine's: per (layer, KV head, channel), calibrated on the input graph by passes/analysis/kv_calibrate.py
 (K's rotation-invariant pair-norm bound, V's absmax, over calibration windows), the same layout as
-PagedGroupQueryAttention's kv_scale. The graph's kv_layout metadata (paged_rewrite.METADATA_KEY) records
+PagedGroupQueryAttention's kv_scale. The graph's kv_layout metadata (machinery/edit.KV_LAYOUT_KEY) records
 kv_dtype, which the runtime reads off the buffers' type anyway.
 
 Every attention layer must be enginesmith's op on shared buffers: a com.microsoft GroupQueryAttention
@@ -38,12 +38,11 @@ import onnx_ir as ir
 from enginesmith.core.errors import UserError
 from enginesmith.core.io_names import MS_DOMAIN
 from enginesmith.passes.analysis import kv_calibrate
-from enginesmith.passes.kv.paged_rewrite import METADATA_KEY
 from enginesmith.passes.lower.lower_gqa import lowered_capacity
 from enginesmith.passes.lower.ort_attention import EsGqaRule, PackedRotaryGQA
-from enginesmith.passes.lower.ort_paged_gqa import ES_GQA_INPUTS, KV_DTYPES, kv_buffer_reason
+from enginesmith.passes.kv.ort_paged_gqa import ES_GQA_INPUTS, KV_DTYPES, kv_buffer_reason
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Namer, add_initializer
+from enginesmith.passes.machinery.edit import KV_LAYOUT_KEY, Namer, add_initializer
 from enginesmith.passes.machinery.match import Match
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
@@ -114,8 +113,8 @@ def quantize_kv(model: ir.Model, params: QuantizeKvParams | None = None, ctx: Pa
                                                                      kv_scale))
         for value in (node.inputs[1], node.inputs[2], node.outputs[1], node.outputs[2]):
             value.type = element
-    layout = json.loads(model.metadata_props.get(METADATA_KEY, "") or '{"type": "dense"}')
-    model.metadata_props[METADATA_KEY] = json.dumps({**layout, "capacity": capacity, "kv_dtype": params.kv_dtype})
+    layout = json.loads(model.metadata_props.get(KV_LAYOUT_KEY, "") or '{"type": "dense"}')
+    model.metadata_props[KV_LAYOUT_KEY] = json.dumps({**layout, "capacity": capacity, "kv_dtype": params.kv_dtype})
     return PassResult({"quantize_kv": len(found)})
 
 

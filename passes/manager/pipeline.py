@@ -22,9 +22,10 @@ import onnx_ir as ir
 
 from enginesmith.core.errors import UserError
 from enginesmith.core.progress import say
-from enginesmith.passes.machinery import verify
 from enginesmith.passes.machinery.edit import drop_unused_initializers
-from enginesmith.passes.machinery.registry import PassContext, Step, calibrated_steps, parse_pipeline, passes
+from enginesmith.passes.machinery.registry import PassContext, Step
+from enginesmith.passes.manager import verify
+from enginesmith.passes.manager.steps import calibrated_steps, parse_pipeline, passes
 
 
 def _data(path: Path) -> Path:

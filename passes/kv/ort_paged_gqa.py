@@ -63,12 +63,11 @@ import onnx_ir as ir
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.io_names import MS_DOMAIN, ORT_OPS_DOMAIN as DOMAIN, PAGED_GQA_IO
-from enginesmith.passes.kv.paged_rewrite import METADATA_KEY
 from enginesmith.passes.analysis import kv_calibrate
 from enginesmith.passes.lower.lower_gqa import SEQLENS, TOTAL, lowered_capacity
 from enginesmith.passes.lower.ort_attention import CARRIED, KEPT, EsGqaRule, PackedRotaryGQA
 from enginesmith.passes.machinery import match
-from enginesmith.passes.machinery.edit import Namer, add_initializer, replace_value, to_attrs
+from enginesmith.passes.machinery.edit import KV_LAYOUT_KEY, Namer, add_initializer, replace_value, to_attrs
 from enginesmith.passes.machinery.match import Match
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 from enginesmith.plugins.limits import limits as kernel_limits
@@ -243,7 +242,7 @@ def paged_gqa(model: ir.Model, params: PagedGqaParams | None = None, ctx: PassCo
         _page(graph, namer, m, params.page_size, meta, params.kv_dtype, kv_scale)
     for name in (SEQLENS, TOTAL):  # read by nothing now
         graph.inputs.remove(_graph_input(graph, name))
-    model.metadata_props[METADATA_KEY] = json.dumps(
+    model.metadata_props[KV_LAYOUT_KEY] = json.dumps(
         {"type": "paged", "io": PAGED_GQA_IO, "page_size": params.page_size, "capacity": capacity,
          **({"kv_dtype": params.kv_dtype} if params.kv_dtype != "fp16" else {})})
     return PassResult({"paged_gqa": len(found)})

@@ -144,6 +144,44 @@ def test_imports_sit_at_module_top_unless_deferred_on_purpose():
     assert not hidden, f"{len(hidden)} in-function imports without a `# deferred: why` comment:\n" + "\n".join(hidden)
 
 
+# ----------------------------------------------------------------------------- passes/ inside
+
+# The floors of passes/, each folder importing only folders below it (a folder imports itself freely):
+#
+#     machinery  <-  analysis, fusion  <-  quant  <-  lower  <-  kv  <-  manager
+#
+# The machinery (registry, match, edit) imports no pass; no pass imports the manager; analysis and
+# fusion share a floor and do not import each other. The package's face (passes/__init__.py)
+# re-exports the manager and is imported by no folder.
+PASSES_BELOW = {
+    "machinery": set(),
+    "analysis": {"machinery"},
+    "fusion": {"machinery"},
+    "quant": {"machinery", "analysis", "fusion"},
+    "lower": {"machinery", "analysis", "fusion", "quant"},
+    "kv": {"machinery", "analysis", "fusion", "quant", "lower"},
+    "manager": {"machinery", "analysis", "fusion", "quant", "lower", "kv"},
+}
+
+
+def test_passes_folders_follow_their_floors():
+    folders = {p.name for p in (REPO / "passes").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(PASSES_BELOW), f"place every folder of passes/ in PASSES_BELOW: {sorted(folders ^ set(PASSES_BELOW))}"
+    against = []
+    for path in sorted((REPO / "passes").rglob("*.py")):
+        parts = path.relative_to(REPO / "passes").parts
+        if len(parts) < 2:
+            continue  # the package's face
+        folder = parts[0]
+        for target, line, _, _ in imports(path):
+            if target != "enginesmith.passes" and not target.startswith("enginesmith.passes."):
+                continue
+            wanted = target.split(".")[2] if target.count(".") >= 2 else "the package's face"
+            if wanted != folder and wanted not in PASSES_BELOW[folder]:
+                against.append(f"{path.relative_to(REPO)}:{line} ({folder}) imports {target} ({wanted})")
+    assert not against, "arrows against the floors of passes/:\n" + "\n".join(against)
+
+
 # ----------------------------------------------------------------------------- the size budget
 
 MODULE_LINES, FUNCTION_LINES = 500, 80

@@ -1,4 +1,4 @@
-"""TensorRT backend: open a plan built by enginesmith/build/trt_plan.py and run it as an Engine.
+"""TensorRT backend: open a plan built by enginesmith/builder/trt_plan.py and run it as an Engine.
 
 Written against the TensorRT Python API (10.x; 11.x accepts the same calls) and type-checked with
 mypy against its stubs; TensorRT cannot be installed on this project's machines, so none of the
@@ -7,7 +7,7 @@ are imported only inside the functions that need them; without TensorRT every en
 a UserError that says so.
 
 Engine directory (next to model.onnx + data, tokenizer/): model.plan, plugins/<lib>.so, and
-build.json's backend section (see enginesmith/build/trt_plan.py for what the builder writes).
+build.json's backend section (see enginesmith/builder/trt_plan.py for what the builder writes).
 
 Dimension legend: B batch, S new tokens, P cached positions, T = P + S, V vocab, Hkv KV heads, D head dim.
 Two optimization profiles: 0 "prefill" (S in 1..max_input) and 1 "decode" (S = 1).

@@ -63,7 +63,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     _require_default_model()
     return cached_engine(BuildConfig(), progress=False)
@@ -76,7 +76,7 @@ def smollm2_onnx(smollm2_engine):
 
 @pytest.fixture(scope="session")
 def tiny_engine():
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     built = {}
 
@@ -110,6 +110,6 @@ def ort_ops_lib(request):
 @pytest.fixture(scope="session")
 def paged_engine():
     """A tiny random Llama engine with paged KV for the CPU (build --kv paged), cached."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     return cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)

@@ -20,7 +20,7 @@ import pytest
 
 from kv_quant_checks import LOGIT_TOLERANCES, assert_close_to_fp16, austen_tokens
 
-from enginesmith.build.engine import BuildConfig, steps
+from enginesmith.builder.engine import BuildConfig, steps
 from enginesmith.core.errors import UserError
 
 CAPACITY = 256
@@ -30,7 +30,7 @@ CALLS = (16, 16, 4, 1, 1, 1, 1)  # tokens per call: prompt chunks, then decode s
 
 @pytest.fixture(scope="module")
 def engines(ort_ops_lib, austen, tmp_path_factory):
-    from enginesmith.build.engine import cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import cached_engine, lower_for_cuda
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))

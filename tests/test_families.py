@@ -138,7 +138,7 @@ def test_fp16_export_runs_as_the_fp32_one(name, tiny_engine):
 
 def fp16_engine(name: str):
     """The fp16 export of tiny:<name>: what the CUDA path (lower_gqa) starts from."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     return cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
 
@@ -199,7 +199,7 @@ def test_smoothquant_reports_the_sites_it_cannot_fold(tiny_engine, tmp_path):
 def test_ring_is_the_exact_sliding_window_and_keeps_only_it(tiny_engine, torch_model):
     """Mistral with a window of 8 on a ring of 16 slots (no sinks): 64 greedy tokens as transformers,
     and the cache never holds more than the ring."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     path = cached_engine(BuildConfig(model="tiny:mistral-sw", kv_layout="ring", kv_sinks=0, kv_window=16),
                          progress=False)
@@ -316,7 +316,7 @@ def test_every_tiny_model_is_listed_and_loads_as_its_family():
 
 def test_paged_cpu_graph_generates_as_the_dense_one(tiny_engine):
     """Qwen3 through runtime.generate on the paged CPU graph: a left-padded batch, greedy, equal to dense."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     paged = open_engine(cached_engine(BuildConfig(model="tiny:qwen3", kv_layout="paged", page_size=4),
                                       progress=False), device="cpu").engine
@@ -378,7 +378,7 @@ def test_cuda_gqa_matches_the_cpu_graph(name, tmp_path):
     same lowered graph on the CPU EP over a prefill past the window and decode steps (ORT's CUDA and CPU
     kernels must read softcap and local_window_size the same way), and 40 greedy tokens against the plain
     fp16 graph."""
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
     from enginesmith.runtime.ort_cuda import open_gqa_engine
 
     src = cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)

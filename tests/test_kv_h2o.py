@@ -110,7 +110,7 @@ def test_h2o_refusals(h2o, tiny_engine):
 
 
 def test_build_kv_h2o_engine(tmp_path):
-    from enginesmith.build.engine import BuildConfig, build
+    from enginesmith.builder.engine import BuildConfig, build
     from enginesmith.core.engine_dir import read_manifest
     from enginesmith.runtime.load import open_engine
 

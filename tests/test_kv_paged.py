@@ -256,7 +256,7 @@ def test_fork_with_copy_on_write_matches_solo_runs(paged):
 
 
 def test_trt_lowering_writes_plugin_nodes_the_library_accepts(h64, tmp_path):
-    from enginesmith.build import trt_lint
+    from enginesmith.builder import trt_lint
 
     out = tmp_path / "trt" / "model.onnx"
     report = make_paged(h64, out, 16, lower="trt")
@@ -438,7 +438,7 @@ def test_rollback_and_row_selection(paged):
 
 def test_paged_engine_from_build_generates_like_the_dense_engine(tiny_engine):
     """`enginesmith build --kv paged` end to end: build.json layout and greedy tokens equal dense."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
     from enginesmith.runtime.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 

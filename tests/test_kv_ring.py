@@ -271,7 +271,7 @@ def test_chat_session_keeps_one_cache(tiny_engine):
     from enginesmith.runtime.generate import GenerationConfig
     from enginesmith.runtime.load import open_engine
     from enginesmith.runtime.ring_chat import ChatSession
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     loaded = open_engine(cached_engine(BuildConfig(model="tiny:qwen2", kv_layout="ring", kv_sinks=4,
                                                    kv_window=60), progress=False), device="cpu")

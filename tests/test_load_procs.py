@@ -164,7 +164,7 @@ def test_a_dead_worker_or_ctrl_c_ends_the_run_in_one_line_and_leaves_no_process(
 @pytest.fixture(scope="module")
 def tiny_serve(tmp_path_factory):
     """The URL and engine of `enginesmith serve` over a tiny paged CPU engine (stopped by PID)."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     engine = cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)
     log = tmp_path_factory.mktemp("serve") / "out.txt"

@@ -51,7 +51,7 @@ def test_folded_weights_match_peft_merge(family, rslora, tmp_path):
 
 
 def test_build_lora_engine_matches_peft_merged_logits(tmp_path):
-    from enginesmith.build.engine import BuildConfig, build
+    from enginesmith.builder.engine import BuildConfig, build
     from enginesmith.core.engine_dir import read_manifest
     from enginesmith.runtime.ort_engine import OrtEngine
 

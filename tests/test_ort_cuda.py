@@ -26,7 +26,7 @@ gpu = pytest.mark.skipif(not _cuda_available(),
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
     """Engine dirs: tiny llama fp32 and fp16, each lowered for the GQA engine (capacity 128)."""
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     out = {}
     for dtype in ("fp32", "fp16"):

@@ -34,7 +34,7 @@ gpu = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def paged_dir(ort_ops_lib, tmp_path_factory, monkeypatch_module):
     """A --for-cuda --kv paged engine of tiny llama (head size 64, fp16), pages of 16 positions."""
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     monkeypatch_module.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)

@@ -40,7 +40,7 @@ TOL = {"fp16": 0.02, "int8": 0.03}  # of the largest logit (int8 measured: 0.01 
 
 @pytest.fixture(scope="module")
 def engines(ort_ops_lib, austen, tmp_path_factory):
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
@@ -153,7 +153,7 @@ def test_the_window_matters(engines, tmp_path):
 
 
 def test_mistral_sw_head_size_16_is_refused(tmp_path):
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
     from enginesmith.core.errors import UserError
 
     src = cached_engine(BuildConfig(model="tiny:mistral-sw", dtype="fp16"), progress=False)

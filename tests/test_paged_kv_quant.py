@@ -24,7 +24,7 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def engines(ort_ops_lib, austen, tmp_path_factory):
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
@@ -81,7 +81,7 @@ def test_quantized_pages_logits_close_to_fp16(engines, kv, max_tol, rms_tol):
 
 
 def test_kv_dtype_needs_the_cuda_paged_engine():
-    from enginesmith.build.engine import BuildConfig
+    from enginesmith.builder.engine import BuildConfig
     from enginesmith.core.errors import UserError
 
     with pytest.raises(UserError, match="--kv-dtype int8 quantizes the pages of the CUDA paged engine"):

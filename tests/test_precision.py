@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.builder.engine import BuildConfig, cached_engine
 from enginesmith.core.errors import EngineError
 from enginesmith.models import load as models
 from enginesmith.runtime.load import open_engine

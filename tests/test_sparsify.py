@@ -182,7 +182,7 @@ def test_ir_op_lowered_for_ort_equals_the_direct_lowering(tiny_engine):
 
 
 def test_trt_lowering_writes_sparse_gemm_plugin_nodes(tmp_path):
-    from enginesmith.build import trt_lint
+    from enginesmith.builder import trt_lint
     from enginesmith.passes.manager.pipeline import run_pipeline
     from test_kv_paged import h64_fp16_graph
 

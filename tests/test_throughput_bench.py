@@ -30,7 +30,7 @@ VOCAB = 49152
 
 @pytest.fixture(scope="module")
 def engine_dir():
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     return cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged", page_size=16), progress=False)
 

@@ -230,7 +230,7 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     """CPU work, overlapping the GenAI builds: random weights for the 1B skeletons, the SmolLM2
     fp16 engine (export from the GGUF) and its GQA lowering."""
     from benchmarks.gpu import skeleton
-    from enginesmith.build.engine import BuildConfig, build, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, lower_for_cuda
     from enginesmith.plugins import ort_ops
 
     out = {}

@@ -23,7 +23,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6], [11, 12, 13]]
 def prepare() -> None:
     import shutil
 
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
     from enginesmith.runtime.generate import GenerationConfig
     from enginesmith.runtime.ort_cuda import GqaEngine, fast_generate_ids
 

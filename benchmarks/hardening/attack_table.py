@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from enginesmith.build import BuildConfig, cached_engine
+from enginesmith.builder import BuildConfig, cached_engine
 from enginesmith.core import engine_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -45,7 +45,7 @@ PAGE = 16
 
 def engines(model: str | None, capacity: int | None, calib_samples: int, layout: str = "paged") -> dict[str, Path]:
     """The three engines of `model` (fp16 export) for `layout` ("paged" | "dense"), built once into the cache dir."""
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
     from enginesmith.core.paths import cache_dir
 
     src = cached_engine(BuildConfig(model=model, dtype="fp16"), progress=True)

@@ -37,7 +37,7 @@ def make_model(args):
         from http_overhead import FakePagedModel  # deferred: a sibling script (imports uvicorn)
 
         return FakePagedModel(49152, args.step_ms / 1000)
-    from enginesmith.build.engine import BuildConfig, cached_engine  # deferred: the CPU engine only
+    from enginesmith.builder.engine import BuildConfig, cached_engine  # deferred: the CPU engine only
     from enginesmith.runtime.load import open_engine, paged_model  # deferred: the CPU engine only
 
     engine = cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged"), progress=False)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import uvicorn
 
-from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.builder.engine import BuildConfig, cached_engine
 from enginesmith.runtime.batching import SchedulerConfig
 from enginesmith.runtime.load import open_engine
 from enginesmith.serving.loop import BatcherLoop

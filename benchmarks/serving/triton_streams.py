@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "serving"))
 from triton_server import GrpcStream, TritonServer, model_env  # noqa: E402  (the tests' server runner)
 
-from enginesmith.build.engine import BuildConfig, cached_engine  # noqa: E402
+from enginesmith.builder.engine import BuildConfig, cached_engine  # noqa: E402
 from enginesmith.serving.triton_repository import write_model_repository  # noqa: E402
 
 

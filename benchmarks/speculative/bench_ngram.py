@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         loaded = open_gqa_engine(args.engine, device="cuda", capacity=2048)
         plain_ids = fast_generate_ids
     else:
-        from enginesmith.build.engine import BuildConfig, cached_engine
+        from enginesmith.builder.engine import BuildConfig, cached_engine
         from enginesmith.runtime.load import open_engine
 
         loaded = open_engine(args.engine or cached_engine(BuildConfig()), device="cpu", threads=args.threads)

@@ -27,7 +27,7 @@ def strict_fp32_cuda() -> None:
 
 def open_engine(model: str | None, device: str, kv: str = "dense", sinks: int = 4, window: int = 1020,
                 threads: int | None = None):
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
     from enginesmith.runtime.load import open_engine as open_dir
 
     config = BuildConfig(model=model, kv_layout=kv, kv_sinks=sinks, kv_window=window)

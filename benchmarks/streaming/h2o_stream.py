@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def engine_for(model, device: str, policy: str, budget: int):
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
     from enginesmith.runtime.load import open_engine
 
     if policy == "dense":

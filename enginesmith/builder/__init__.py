@@ -1,6 +1,6 @@
-"""enginesmith.build: model source -> export -> passes -> engine directory.
+"""enginesmith.builder: model source -> export -> passes -> engine directory.
 
-    from enginesmith.build import BuildConfig, build
+    from enginesmith.builder import BuildConfig, build
     build(BuildConfig(model="tiny:llama", quant="w4a16-rtn"), "engine-dir")
     build(BuildConfig(model="tiny:llama", target="ort-cuda", dtype="fp16", quant="w4a16-rtn"), "cuda-dir")
 
@@ -9,6 +9,6 @@ one step list (`steps`), one build path, the cached default engine; `trt` (the g
 (the builder), `jetson`, `trt_lint` and `trt_ops` are the TensorRT target.
 """
 
-from enginesmith.build.engine import GQA_IO, TARGETS, BuildConfig, build, cached_engine, lower_for_cuda, steps
+from enginesmith.builder.engine import GQA_IO, TARGETS, BuildConfig, build, cached_engine, lower_for_cuda, steps
 
 __all__ = ["GQA_IO", "TARGETS", "BuildConfig", "build", "cached_engine", "lower_for_cuda", "steps"]

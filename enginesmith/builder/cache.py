@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from enginesmith.build.code_fingerprint import code_fingerprint
-from enginesmith.build.config import BuildConfig
+from enginesmith.builder.code_fingerprint import code_fingerprint
+from enginesmith.builder.config import BuildConfig
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
 from enginesmith.core.paths import cache_dir
@@ -31,7 +31,7 @@ def default_engine_path(config: BuildConfig) -> Path:
 def cached_engine(config: BuildConfig, progress: bool = True, verify_hashes: bool = False) -> Path:
     """The engine for `config` from the cache, building it first if it is not there yet. With
     `verify_hashes` (a source whose bytes go into another engine) every file's sha256 is checked too."""
-    from enginesmith.build.engine import build  # deferred: engine.py imports this module
+    from enginesmith.builder.engine import build  # deferred: engine.py imports this module
 
     path = default_engine_path(config)
     if _usable(path, notice=False, hashes=verify_hashes):

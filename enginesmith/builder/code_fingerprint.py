@@ -16,7 +16,7 @@ from pathlib import Path
 
 # The packages whose code decides an engine's files: the builder, the export, the model loaders (tiny
 # configs included) and the graph passes. The runtime and the servers read engines; they are not here.
-PACKAGES = ("enginesmith.build", "enginesmith.core", "enginesmith.export", "enginesmith.models",
+PACKAGES = ("enginesmith.builder", "enginesmith.core", "enginesmith.export", "enginesmith.models",
             "enginesmith.passes")
 
 

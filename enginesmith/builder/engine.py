@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from enginesmith import __version__
-from enginesmith.build import cache, jetson
-from enginesmith.build.cache import cached_engine, default_engine_path  # noqa: F401  (re-exported)
-from enginesmith.build.config import (KV_DTYPES, KV_LAYOUTS, PAGE_SIZE, PAGED_MAX_BATCH,  # noqa: F401  (re-exported)
+from enginesmith.builder import cache, jetson
+from enginesmith.builder.cache import cached_engine, default_engine_path  # noqa: F401  (re-exported)
+from enginesmith.builder.config import (KV_DTYPES, KV_LAYOUTS, PAGE_SIZE, PAGED_MAX_BATCH,  # noqa: F401  (re-exported)
                                       TARGETS, BuildConfig)
-from enginesmith.build.code_fingerprint import code_fingerprint
+from enginesmith.builder.code_fingerprint import code_fingerprint
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
@@ -115,7 +115,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
         backend = {"name": "onnxruntime", "version": ort.__version__}
         if trt:
             stage("TensorRT engine")
-            from enginesmith.build import trt as trt_build  # deferred: trt_lint imports onnx
+            from enginesmith.builder import trt as trt_build  # deferred: trt_lint imports onnx
 
             target = config.trt_version or (jetson.preset(config.preset).lint_target() if config.preset else None)
             backend = trt_build.build_tensorrt(tmp, config.trt or trt_build.trt_config(config.preset), target)
@@ -297,7 +297,7 @@ def _export_settings(config: BuildConfig) -> tuple[str, int]:
 
 
 def _check_tensorrt(config: BuildConfig) -> str:
-    from enginesmith.build import trt as trt_build  # deferred: trt_lint imports onnx
+    from enginesmith.builder import trt as trt_build  # deferred: trt_lint imports onnx
 
     return trt_build.check_ready(config.preset)
 

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from enginesmith.build import trt_ops
-from enginesmith.build.trt_plan import TrtBuildConfig
+from enginesmith.builder import trt_ops
+from enginesmith.builder.trt_plan import TrtBuildConfig
 from enginesmith.core.errors import UserError
 
 

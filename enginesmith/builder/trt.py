@@ -1,4 +1,4 @@
-"""`enginesmith build --backend trt`: the TensorRT part of a build, for enginesmith/build/engine.py to call.
+"""`enginesmith build --backend trt`: the TensorRT part of a build, for enginesmith/builder/engine.py to call.
 
     args/preset -> TrtBuildConfig        trt_config(...)            (validated before any export)
     fail fast                            check_ready(preset)        (TensorRT + GPU + right Jetson)
@@ -15,8 +15,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from enginesmith.build import jetson, trt_lint
-from enginesmith.build.trt_plan import TrtBuildConfig, build_plan
+from enginesmith.builder import jetson, trt_lint
+from enginesmith.builder.trt_plan import TrtBuildConfig, build_plan
 from enginesmith.core.errors import UserError
 from enginesmith.core.tensorrt import current_sm, require_tensorrt
 

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from enginesmith.build import trt_ops
+from enginesmith.builder import trt_ops
 from enginesmith.core.errors import UserError
 
 EXIT_FINDINGS = 4  # the CLI's exit code when the graph has findings (0 clean, 2 bad input)
@@ -419,7 +419,7 @@ def lint(model: onnx.ModelProto | str | Path, target: str = trt_ops.DEFAULT_TARG
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m enginesmith.build.trt_lint MODEL [--trt-version V] [--json]`: 0 clean, 4 findings, 2 bad input."""
+    """`python -m enginesmith.builder.trt_lint MODEL [--trt-version V] [--json]`: 0 clean, 4 findings, 2 bad input."""
     parser = argparse.ArgumentParser(prog="enginesmith trt-lint",
                                      description="Check an ONNX graph against TensorRT's ONNX parser, without TensorRT.")
     add_arguments(parser)

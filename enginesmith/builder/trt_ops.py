@@ -112,7 +112,7 @@ class PluginCreator:
 
 
 # Mirrors the creators in plugins/*/…_plugin.cpp (getFieldNames() and createPlugin's required reads);
-# tests/build/test_trt_lint.py re-reads the C++ sources and fails if this table drifts.
+# tests/builder/test_trt_lint.py re-reads the C++ sources and fails if this table drifts.
 PLUGIN_CREATORS: tuple[PluginCreator, ...] = (
     PluginCreator("PagedAttention", "1", "enginesmith", (
         PluginField("num_heads", "int32", True), PluginField("num_kv_heads", "int32", True),

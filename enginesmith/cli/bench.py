@@ -129,7 +129,7 @@ def _format_speculative(result: dict) -> str:
 
 def _paged_config(args):
     """--model (or the default model) with --requests: the paged engine for the device, built once and cached."""
-    from enginesmith.build.engine import BuildConfig  # deferred: imports the exporter (heavy)
+    from enginesmith.builder.engine import BuildConfig  # deferred: imports the exporter (heavy)
     from enginesmith.runtime.ort_engine import resolve_device  # deferred: imports onnxruntime
 
     cuda = {"target": "ort-cuda", "dtype": "fp16"} if resolve_device(args.device) == "cuda" else {}

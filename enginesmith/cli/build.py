@@ -3,8 +3,8 @@ Runtime CUDA (--for-cuda) or TensorRT (--backend trt)."""
 
 from __future__ import annotations
 
-from enginesmith.build import trt as trt_build
-from enginesmith.build.engine import BuildConfig, build
+from enginesmith.builder import trt as trt_build
+from enginesmith.builder.engine import BuildConfig, build
 from enginesmith.cli.flags import add_kv_flags, add_model_flags
 from enginesmith.core.errors import UserError
 from enginesmith.core.out_paths import check_out

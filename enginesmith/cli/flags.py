@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.builder.engine import BuildConfig, cached_engine
 from enginesmith.cli import bounds
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError

@@ -35,7 +35,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.builder.engine import BuildConfig, cached_engine
 from enginesmith.cli import bounds
 from enginesmith.cli.flags import add_model_flags, load_engine
 from enginesmith.core.errors import UserError

@@ -5,7 +5,7 @@ under the `enginesmith` command. Exit status 0 when clean, build.trt_lint.EXIT_F
 
 from __future__ import annotations
 
-from enginesmith.build import trt_lint
+from enginesmith.builder import trt_lint
 
 
 def add_parser(verbs) -> None:

@@ -3,7 +3,7 @@
 `tensorrt` and torch (for the GPU's compute capability) are imported only inside these functions
 (deferred on purpose: both are heavy and optional); without TensorRT every entry point raises a
 UserError that says how to get it. Callers then `import tensorrt as trt` locally, so mypy checks
-every call against the stubs (tests/build/test_trt_types.py).
+every call against the stubs (tests/builder/test_trt_types.py).
 """
 
 from __future__ import annotations

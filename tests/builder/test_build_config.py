@@ -8,7 +8,7 @@ import json
 import pytest
 
 from enginesmith import __version__
-from enginesmith.build.engine import MAX_CUDA_BATCH, BuildConfig, steps
+from enginesmith.builder.engine import MAX_CUDA_BATCH, BuildConfig, steps
 from enginesmith.core.errors import UserError
 
 

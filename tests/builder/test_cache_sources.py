@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from enginesmith.build import cache
-from enginesmith.build.engine import BuildConfig, build
+from enginesmith.builder import cache
+from enginesmith.builder.engine import BuildConfig, build
 from enginesmith.core import engine_dir
 
 
@@ -55,7 +55,7 @@ def test_options_a_plain_engine_does_not_read_leave_its_key(extra):
 
 
 def test_the_plain_source_of_pass_builds_is_shared():
-    from enginesmith.build.engine import _plain_source
+    from enginesmith.builder.engine import _plain_source
 
     sha = "cd" * 32
     configs = [BuildConfig(model="tiny:llama", kv_layout="paged", page_size=8, calib_samples=3),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
-from enginesmith.build import code_fingerprint as fp
-from enginesmith.build.engine import BuildConfig, cached_engine
+from enginesmith.builder import code_fingerprint as fp
+from enginesmith.builder.engine import BuildConfig, cached_engine
 
 
 def test_an_engine_cached_by_other_code_is_rebuilt(tmp_path, monkeypatch, capfd):

@@ -10,8 +10,8 @@ import pytest
 
 from enginesmith.core import engine_dir
 from enginesmith.core import manifest as manifest_schema
-from enginesmith.build import jetson, trt_lint, trt_plan
-from enginesmith.build.trt_plan import TrtBuildConfig, profile_shapes
+from enginesmith.builder import jetson, trt_lint, trt_plan
+from enginesmith.builder.trt_plan import TrtBuildConfig, profile_shapes
 from enginesmith.core import tensorrt as trt_check
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime import trt_engine
@@ -187,7 +187,7 @@ def test_jetson_detect_and_device_check(tmp_path):
 # ----------------------------------------------------------------------------- `build --backend trt` glue
 
 def test_trt_config_merges_preset_and_flags(tmp_path):
-    from enginesmith.build.trt import trt_config
+    from enginesmith.builder.trt import trt_config
 
     c = trt_config()
     assert (c.max_batch, c.strip_weights) == (8, False)
@@ -207,7 +207,7 @@ def test_trt_config_merges_preset_and_flags(tmp_path):
 
 @pytest.mark.skipif(HAS_TRT, reason="TensorRT is installed: this checks the message when it is not")
 def test_build_backend_trt_fails_fast_without_tensorrt(tmp_path):
-    from enginesmith.build.trt import build_tensorrt, check_ready
+    from enginesmith.builder.trt import build_tensorrt, check_ready
 
     for call in (lambda: check_ready("thor"), lambda: build_tensorrt(tmp_path, TrtBuildConfig())):
         with pytest.raises(UserError, match="TensorRT is not installed"):

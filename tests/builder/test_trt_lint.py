@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from enginesmith.build import trt_ops
-from enginesmith.build.trt_lint import EXIT_FINDINGS, lint, main
+from enginesmith.builder import trt_ops
+from enginesmith.builder.trt_lint import EXIT_FINDINGS, lint, main
 from enginesmith.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]

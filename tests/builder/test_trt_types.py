@@ -18,9 +18,9 @@ from external import TRT_STUBS, require_module
 
 REPO = Path(__file__).resolve().parents[2]
 # paths inside the installed package (enginesmith/<here>), and where each lies in the repository
-CHECKED = {"runtime/trt_engine.py": "runtime/trt_engine.py", "build/trt_lint.py": "enginesmith/build/trt_lint.py",
-           "build/trt_ops.py": "enginesmith/build/trt_ops.py", "build/jetson.py": "enginesmith/build/jetson.py",
-           "build/trt.py": "enginesmith/build/trt.py", "build/trt_plan.py": "enginesmith/build/trt_plan.py",
+CHECKED = {"runtime/trt_engine.py": "runtime/trt_engine.py", "build/trt_lint.py": "enginesmith/builder/trt_lint.py",
+           "build/trt_ops.py": "enginesmith/builder/trt_ops.py", "build/jetson.py": "enginesmith/builder/jetson.py",
+           "build/trt.py": "enginesmith/builder/trt.py", "build/trt_plan.py": "enginesmith/builder/trt_plan.py",
            "core/tensorrt.py": "enginesmith/core/tensorrt.py", "serving/triton_repository.py": "enginesmith/serving/triton_repository.py",
            "serving/triton_model.py": "enginesmith/serving/triton_model.py"}
 
@@ -35,7 +35,7 @@ warn_redundant_casts = True
 no_implicit_optional = True
 cache_dir = {cache}
 
-[mypy-enginesmith.runtime.trt_engine,enginesmith.serving.*,enginesmith.core.tensorrt,enginesmith.build.trt,enginesmith.build.trt_plan,enginesmith.build.trt_lint,enginesmith.build.trt_ops,enginesmith.build.jetson]
+[mypy-enginesmith.runtime.trt_engine,enginesmith.serving.*,enginesmith.core.tensorrt,enginesmith.builder.trt,enginesmith.builder.trt_plan,enginesmith.builder.trt_lint,enginesmith.builder.trt_ops,enginesmith.builder.jetson]
 disallow_untyped_defs = True
 disallow_incomplete_defs = True
 

@@ -75,7 +75,7 @@ def test_lowered_fp32_graph_gives_the_same_logits(tiny_engine, tmp_path, family)
 
 def test_lowered_fp16_graph_with_decomposed_rotary(tmp_path):
     """fp16 exports keep RoPE decomposed (x*cos + rotate_half(x)*sin): lowered the same way."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     src = cached_engine(BuildConfig(model="tiny:llama", dtype="fp16"), progress=False) / "model.onnx"
     assert _ops(src)["RotaryEmbedding"] == 0

@@ -29,7 +29,7 @@ DENSE_STEPS = f"lower_gqa:capacity={CAPACITY},skip_rmsnorm,matmul_transb,ort_gem
 @pytest.fixture(scope="module")
 def fp16_engine():
     """Tiny llama fp16 with head size 64 (enginesmith's attention op applies), plain ORT engine dir."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     return cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
 
@@ -108,7 +108,7 @@ def test_page_size_must_be_one_the_op_takes():
 def test_refuses_ort_attention_it_cannot_page_with_the_reason(tmp_path):
     """tiny llama's head size 16: ort_attention leaves ORT's GroupQueryAttention, which has no paged
     twin here; the pass names the layer and ort_attention's reason instead of half-paging the graph."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     src = cached_engine(BuildConfig(model="tiny:llama", dtype="fp16"), progress=False) / "model.onnx"
     dense = tmp_path / "dense" / "model.onnx"
@@ -134,7 +134,7 @@ def test_carries_softcap_and_window_onto_the_paged_op(dense_graph, attr, value):
 
 def test_takes_head_size_256_with_gemma2s_options(tmp_path):
     """tiny:gemma2 (head size 256, soft-capped at 50, layer 0 sliding with a window of 8) is paged."""
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     src = cached_engine(BuildConfig(model="tiny:gemma2", dtype="fp16"), progress=False) / "model.onnx"
     dense = tmp_path / "dense" / "model.onnx"
@@ -183,7 +183,7 @@ def no_library_needed(monkeypatch):
 
 
 def test_lower_for_cuda_paged_writes_the_paged_engine(fp16_engine, tmp_path, no_library_needed):
-    from enginesmith.build.engine import lower_for_cuda
+    from enginesmith.builder.engine import lower_for_cuda
     from enginesmith.core import engine_dir
 
     out = lower_for_cuda(fp16_engine, tmp_path / "e", capacity=CAPACITY, kv_layout="paged", page_size=32,

@@ -31,7 +31,7 @@ FAMILIES = {  # per layer: (softcap, local_window_size) the op must carry
 
 @pytest.fixture(scope="module")
 def engines(ops_lib, tmp_path_factory):
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     out = {}
     for name in FAMILIES:

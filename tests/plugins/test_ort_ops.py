@@ -193,7 +193,7 @@ def test_bad_inputs_are_named(ops_lib):
 def tiny_engines(ops_lib, tmp_path_factory):
     """Tiny llama fp16 (head size 64: the attention op applies), lowered for the GQA engine with and
     without the custom ops (fp16, w4a16)."""
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     out = {}

@@ -122,7 +122,7 @@ def wait_for(predicate, timeout: float = 15.0, every: float = 0.05):
 
 @pytest.fixture(scope="module")
 def engine():
-    from enginesmith.build.engine import BuildConfig, cached_engine
+    from enginesmith.builder.engine import BuildConfig, cached_engine
 
     return cached_engine(BuildConfig(model=MODEL, kv_layout="paged"), progress=False)
 
@@ -465,7 +465,7 @@ def test_bad_flags_and_engines_fail_in_one_line(engine, tiny_engine):
 def test_gpu_paged_engine_serves_concurrent_clients_as_alone(ort_ops_lib, tmp_path, monkeypatch):
     """A --for-cuda --kv paged engine on the GPU: 24 concurrent clients get what each gets alone
     (greedy, fp16: the batch-invariant steps); a disconnect gives the pages back."""
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)

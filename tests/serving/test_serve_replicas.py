@@ -356,7 +356,7 @@ def test_gpu_devices_one_replica_per_gpu(ort_ops_lib, tmp_path):
     fp16, batch-invariant steps), every replica serves some, SIGTERM exits 0 with no replica left."""
     import torch
 
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
 
     gpus = list(range(min(2, torch.cuda.device_count())))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)

@@ -162,7 +162,7 @@ def test_gpu_paged_engine_on_a_gpu_instance_serves_concurrent_streams_as_alone(o
     require_module("tritonclient.grpc", "pip install 'tritonclient[grpc,http]'")
     if pytriton_root() is None:
         missing("tritonserver is not installed", "pip install --no-deps nvidia-pytriton==0.7.0")
-    from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
     from enginesmith.serving.triton_repository import parse_config, write_model_repository
 
     monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))  # the stub inherits the server's environment

@@ -30,14 +30,15 @@ CALLS = (16, 16, 4, 1, 1, 1, 1)  # tokens per call: prompt chunks, then decode s
 
 @pytest.fixture(scope="module")
 def engines(ort_ops_lib, austen, tmp_path_factory):
-    from enginesmith.builder.engine import cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     root = tmp_path_factory.mktemp("dense_kv")
-    yield {kv: lower_for_cuda(src, root / kv, capacity=CAPACITY, custom_ops=True, custom_attention=True,
-                              kv_dtype=kv, calib_samples=4, progress=False)
+    yield {kv: build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=CAPACITY, custom_ops=True,
+                                 custom_attention=True, kv_dtype=kv, calib_samples=4), root / kv, source=src,
+                                 progress=False)
            for kv in ("fp16", "int8", "fp8")}
     mp.undo()
 

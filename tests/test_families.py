@@ -378,11 +378,12 @@ def test_cuda_gqa_matches_the_cpu_graph(name, tmp_path):
     same lowered graph on the CPU EP over a prefill past the window and decode steps (ORT's CUDA and CPU
     kernels must read softcap and local_window_size the same way), and 40 greedy tokens against the plain
     fp16 graph."""
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.runtime.ort_cuda import open_gqa_engine
 
     src = cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
-    low = lower_for_cuda(src, tmp_path / "engine", capacity=64, progress=False, custom_ops=False)
+    low = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=64, custom_ops=False), tmp_path / "engine",
+                            source=src, progress=False)
     cuda = open_gqa_engine(low, device="cuda", max_batch=1).engine
     cpu = open_gqa_engine(low, device="cpu", max_batch=1).engine
     same_fp16_logits(cuda, cpu)

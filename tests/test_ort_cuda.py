@@ -26,13 +26,14 @@ gpu = pytest.mark.skipif(not _cuda_available(),
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
     """Engine dirs: tiny llama fp32 and fp16, each lowered for the GQA engine (capacity 128)."""
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     out = {}
     for dtype in ("fp32", "fp16"):
         src = cached_engine(BuildConfig(model="tiny:llama", dtype=dtype), progress=False)
-        out[dtype] = (src, lower_for_cuda(src, tmp_path_factory.mktemp(dtype) / "engine", capacity=128,
-                                          progress=False, custom_ops=False))  # the ops: tests/plugins
+        out[dtype] = (src, build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=128, custom_ops=False),
+                                             tmp_path_factory.mktemp(dtype) / "engine", source=src,
+                                             progress=False))  # the ops: tests/plugins
     return out
 
 

@@ -40,7 +40,7 @@ TOL = {"fp16": 0.02, "int8": 0.03}  # of the largest logit (int8 measured: 0.01 
 
 @pytest.fixture(scope="module")
 def engines(ort_ops_lib, austen, tmp_path_factory):
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
@@ -48,10 +48,12 @@ def engines(ort_ops_lib, austen, tmp_path_factory):
     for name, kvs in KV.items():
         src = cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
         root = tmp_path_factory.mktemp(name)
-        out[name, "dense"] = lower_for_cuda(src, root / "dense", capacity=CAPACITY, custom_ops=False, progress=False)
+        out[name, "dense"] = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=CAPACITY, custom_ops=False),
+                                               root / "dense", source=src, progress=False)
         for kv in kvs:
-            out[name, kv] = lower_for_cuda(src, root / kv, capacity=CAPACITY, kv_layout="paged", page_size=PAGE,
-                                           max_batch=2, kv_dtype=kv, calib_samples=8, progress=False)
+            out[name, kv] = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=CAPACITY, kv_layout="paged",
+                                              page_size=PAGE, max_batch=2, kv_dtype=kv, calib_samples=8), root / kv,
+                                              source=src, progress=False)
     yield out
     mp.undo()
 
@@ -153,12 +155,13 @@ def test_the_window_matters(engines, tmp_path):
 
 
 def test_mistral_sw_head_size_16_is_refused(tmp_path):
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.core.errors import UserError
 
     src = cached_engine(BuildConfig(model="tiny:mistral-sw", dtype="fp16"), progress=False)
     with pytest.raises(UserError, match="head size 16"):
-        lower_for_cuda(src, tmp_path / "e", capacity=CAPACITY, kv_layout="paged", page_size=PAGE, progress=False)
+        build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=CAPACITY, kv_layout="paged", page_size=PAGE),
+                          tmp_path / "e", source=src, progress=False)
 
 
 def _cuda_available() -> bool:

@@ -24,14 +24,15 @@ TOKENS = 40
 
 @pytest.fixture(scope="module")
 def engines(ort_ops_lib, austen, tmp_path_factory):
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     root = tmp_path_factory.mktemp("paged_kv")
-    yield {kv: lower_for_cuda(src, root / kv, capacity=CAPACITY, kv_layout="paged", page_size=PAGE, max_batch=4,
-                              kv_dtype=kv, calib_samples=4, progress=False)
+    yield {kv: build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=CAPACITY, kv_layout="paged",
+                                 page_size=PAGE, max_batch=4, kv_dtype=kv, calib_samples=4), root / kv, source=src,
+                                 progress=False)
            for kv in ("fp16", "int8", "fp8")}
     mp.undo()
 

@@ -230,7 +230,7 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
     """CPU work, overlapping the GenAI builds: random weights for the 1B skeletons, the SmolLM2
     fp16 engine (export from the GGUF) and its GQA lowering."""
     from benchmarks.gpu import skeleton
-    from enginesmith.builder.engine import BuildConfig, build, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build
     from enginesmith.plugins import ort_ops
 
     out = {}
@@ -253,8 +253,8 @@ def prepare(graphs: Path, work: Path, smol: bool, llama: bool = True) -> dict:
             if not (low / "build.json").exists():
                 if not (src / "build.json").exists():
                     build(BuildConfig(dtype="fp16"), src, force=True, progress=False)
-                lower_for_cuda(src, low, capacity=2048, force=True, progress=False, custom_ops=ops,
-                               custom_attention=ops)
+                build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=2048, custom_ops=ops,
+                                  custom_attention=ops), low, source=src, force=True, progress=False)
         out["smollm2_build_s"] = round(time.time() - t, 1)
     return out
 

@@ -23,7 +23,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6], [11, 12, 13]]
 def prepare() -> None:
     import shutil
 
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.runtime.generate import GenerationConfig
     from enginesmith.runtime.ort_cuda import GqaEngine, fast_generate_ids
 
@@ -32,7 +32,7 @@ def prepare() -> None:
         src = cached_engine(BuildConfig(model="tiny:llama", dtype=dtype), progress=False)
         low = Path(f"/tmp/es7/tiny_{dtype}_gqa")
         if not low.exists():
-            lower_for_cuda(src, low, capacity=128, progress=False)
+            build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=128), low, source=src, progress=False)
         (GRAPHS / f"tiny_{dtype}").mkdir(parents=True, exist_ok=True)
         for suffix in ("", ".data"):
             shutil.copyfile(low / f"model.onnx{suffix}", GRAPHS / f"tiny_{dtype}" / f"model.onnx{suffix}")

@@ -45,7 +45,7 @@ PAGE = 16
 
 def engines(model: str | None, capacity: int | None, calib_samples: int, layout: str = "paged") -> dict[str, Path]:
     """The three engines of `model` (fp16 export) for `layout` ("paged" | "dense"), built once into the cache dir."""
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.core.paths import cache_dir
 
     src = cached_engine(BuildConfig(model=model, dtype="fp16"), progress=True)
@@ -55,11 +55,13 @@ def engines(model: str | None, capacity: int | None, calib_samples: int, layout:
         path = cache_dir() / "bench" / "kv_quant" / name
         if not (path / "build.json").is_file():
             if layout == "dense":
-                lower_for_cuda(src, path, capacity=capacity, custom_ops=True, custom_attention=True, kv_dtype=kv,
-                               calib_samples=calib_samples, force=True)
+                build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=capacity, custom_ops=True,
+                                  custom_attention=True, kv_dtype=kv, calib_samples=calib_samples), path, source=src,
+                                  force=True)
             else:
-                lower_for_cuda(src, path, capacity=capacity, kv_layout="paged", page_size=PAGE, max_batch=64,
-                               kv_dtype=kv, calib_samples=calib_samples, force=True)
+                build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=capacity, kv_layout="paged",
+                                  page_size=PAGE, max_batch=64, kv_dtype=kv, calib_samples=calib_samples), path,
+                                  source=src, force=True)
         out[kv] = path
     return out
 

@@ -54,7 +54,7 @@ def prompts(tokenizer, limit: int | None = None) -> list[tuple[str, list[int]]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--engine", help="engine dir (cuda: one lowered by build.lower_for_cuda)")
+    ap.add_argument("--engine", help="engine dir (cuda: an ort-cuda build)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per target call (adaptive)")
     ap.add_argument("--max-tokens", type=int, default=256)

@@ -9,6 +9,6 @@ one step list (`steps`), one build path, the cached default engine; `trt` (the g
 (the builder), `jetson`, `trt_lint` and `trt_ops` are the TensorRT target.
 """
 
-from enginesmith.builder.engine import GQA_IO, TARGETS, BuildConfig, build, cached_engine, lower_for_cuda, steps
+from enginesmith.builder.engine import GQA_IO, TARGETS, BuildConfig, build, cached_engine, steps
 
-__all__ = ["GQA_IO", "TARGETS", "BuildConfig", "build", "cached_engine", "lower_for_cuda", "steps"]
+__all__ = ["GQA_IO", "TARGETS", "BuildConfig", "build", "cached_engine", "steps"]

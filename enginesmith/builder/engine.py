@@ -61,10 +61,17 @@ def _stages(names: list[str], enabled: bool = True):
 
 
 def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = True, locked: bool = False,
-          replace_any: bool = False) -> Path:
+          replace_any: bool = False, source: Path | None = None) -> Path:
     """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted.
     Another build writing `out` at the same time is refused (`locked`: the caller holds its lock).
-    `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache)."""
+    `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache).
+
+    `source` (target ort-cuda only): lower this engine directory, already built, in place of the
+    cached plain engine of config.model; its precision is kept (tests and benchmarks lower fp32
+    engines too, for the CPU EP), so config.dtype and config.model are not read."""
+    if source is not None and config.target != "ort-cuda":
+        raise UserError(f"only an ort-cuda build lowers an engine already built (this is {config.target})",
+                        "build from the model instead")
     ort = require_onnxruntime()  # missing or mixed ONNX Runtime: one line before minutes of export
     trt_version = _check_tensorrt(config) if config.target == "trt" else None  # before minutes of export
     if config.needs_ort_ops:
@@ -73,7 +80,8 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
         with engine_dir.write_atomically(
                 out, overwrite=force, locked=locked,
                 replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp:
-            src = cache.source(_plain_source(config, config.dtype, config.opset), progress=progress)
+            src = Path(source) if source is not None else cache.source(
+                _plain_source(config, config.dtype, config.opset), progress=progress)
             _lower(src, tmp, config, progress)
         return Path(out)
 
@@ -323,26 +331,3 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
                         f"slots exceeds the model's context of {max_positions} positions",
                         f"use --sinks + --kv-window <= {max_positions}")
     return {"type": "ring", "sinks": config.kv_sinks, "window": config.kv_window, "capacity": capacity}
-
-
-def lower_for_cuda(src: Path, out: Path, capacity: int | None = None, quant: str | None = None,
-                   block_size: int = 128, quantize_lm_head: bool = False, force: bool = False,
-                   progress: bool = True, custom_ops: bool | None = None, custom_attention: bool = False,
-                   max_batch: int | None = None, kv_layout: str = "dense", page_size: int = PAGE_SIZE,
-                   kv_dtype: str = "fp16", calib_samples: int = 32) -> Path:
-    """The ort-cuda lowering of an engine `src` already built (tests and benchmarks lower fp32 ones
-    too, for the CPU EP): the steps of BuildConfig(target="ort-cuda", ...) into `out`. quant: "w4a16"
-    (= w4a16-rtn) or None. kv_layout "paged" (an fp16 `src`): PagedGroupQueryAttention over pools of
-    `page_size`-token pages of `kv_dtype` (fp16, or int8 / fp8 codes with scales calibrated on
-    `calib_samples` windows of the default text); dense with custom_attention: `kv_dtype` is the KV
-    buffers' format likewise. Open a dense result with runtime.ort_cuda.open_gqa_engine."""
-    if quant not in (None, "w4a16"):
-        raise UserError(f"unknown quantization {quant!r} for the CUDA engine", "use w4a16 or none")
-    # dtype only picks an export, and there is none here: the lowered precision is the source's
-    config = BuildConfig(target="ort-cuda", dtype="fp16", capacity=capacity, quant=quant and "w4a16-rtn",
-                         block_size=block_size, quantize_lm_head=quantize_lm_head, max_batch=max_batch,
-                         custom_ops=custom_ops, custom_attention=custom_attention, kv_layout=kv_layout,
-                         page_size=page_size, kv_dtype=kv_dtype, calib_samples=calib_samples)
-    with engine_dir.write_atomically(Path(out), overwrite=force) as tmp:
-        _lower(Path(src), tmp, config, progress)
-    return Path(out)

@@ -182,12 +182,12 @@ def no_library_needed(monkeypatch):
     monkeypatch.setattr(ort_ops, "require", lambda: Path("libenginesmith_ort_ops.so"))
 
 
-def test_lower_for_cuda_paged_writes_the_paged_engine(fp16_engine, tmp_path, no_library_needed):
-    from enginesmith.builder.engine import lower_for_cuda
+def test_an_ort_cuda_build_from_an_engine_writes_the_paged_engine(fp16_engine, tmp_path, no_library_needed):
+    from enginesmith.builder.engine import BuildConfig, build
     from enginesmith.core import engine_dir
 
-    out = lower_for_cuda(fp16_engine, tmp_path / "e", capacity=CAPACITY, kv_layout="paged", page_size=32,
-                         progress=False)
+    out = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=CAPACITY, kv_layout="paged", page_size=32),
+                            tmp_path / "e", source=fp16_engine, progress=False)
     manifest = engine_dir.verify(out, onnx_graph=True)  # the manifest reader accepts the paged io
     assert manifest.kv_layout.as_dict() == {"type": "paged", "io": "paged-gqa", "page_size": 32,
                                             "capacity": CAPACITY, "max_batch": 64}

@@ -73,7 +73,7 @@ def reference():
 def ops_lib(request):
     """The library: $ENGINESMITH_ORT_OPS_LIB if it names a built one (the GPU machine), else the
     session's sm_90 build of the ops (ort_ops_lib; named in the environment for this module only:
-    lower_for_cuda's default would otherwise pick the ops up in later tests)."""
+    an ort-cuda build's default would otherwise pick the ops up in later tests)."""
     env = os.environ.get("ENGINESMITH_ORT_OPS_LIB")
     if env and Path(env).is_file():
         yield Path(env)

@@ -31,14 +31,15 @@ FAMILIES = {  # per layer: (softcap, local_window_size) the op must carry
 
 @pytest.fixture(scope="module")
 def engines(ops_lib, tmp_path_factory):
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     out = {}
     for name in FAMILIES:
         src = cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
         for ops in (False, True):
-            out[name, ops] = lower_for_cuda(src, tmp_path_factory.mktemp(name) / "engine", capacity=64,
-                                            custom_ops=ops, custom_attention=ops, progress=False)
+            out[name, ops] = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=64, custom_ops=ops,
+                                               custom_attention=ops), tmp_path_factory.mktemp(name) / "engine",
+                                               source=src, progress=False)
     return out
 
 

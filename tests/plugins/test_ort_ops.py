@@ -193,15 +193,17 @@ def test_bad_inputs_are_named(ops_lib):
 def tiny_engines(ops_lib, tmp_path_factory):
     """Tiny llama fp16 (head size 64: the attention op applies), lowered for the GQA engine with and
     without the custom ops (fp16, w4a16)."""
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     out = {}
     for quant in (None, "w4a16"):
         for ops in (False, True):
-            out[quant, ops] = lower_for_cuda(
-                src, tmp_path_factory.mktemp("ortgemv") / "engine", capacity=128, quant=quant, block_size=32,
-                quantize_lm_head=quant is not None, custom_ops=ops, custom_attention=ops, progress=False)
+            out[quant, ops] = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=128,
+                                                quant=(quant) and "w4a16-rtn", block_size=32,
+                                                quantize_lm_head=quant is not None, custom_ops=ops,
+                                                custom_attention=ops), tmp_path_factory.mktemp("ortgemv") / "engine",
+                                                source=src, progress=False)
     return out
 
 

@@ -465,12 +465,12 @@ def test_bad_flags_and_engines_fail_in_one_line(engine, tiny_engine):
 def test_gpu_paged_engine_serves_concurrent_clients_as_alone(ort_ops_lib, tmp_path, monkeypatch):
     """A --for-cuda --kv paged engine on the GPU: 24 concurrent clients get what each gets alone
     (greedy, fp16: the batch-invariant steps); a disconnect gives the pages back."""
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
-    paged = lower_for_cuda(src, tmp_path / "engine", capacity=256, kv_layout="paged", page_size=16, max_batch=32,
-                           progress=False)
+    paged = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=256, kv_layout="paged", page_size=16,
+                              max_batch=32), tmp_path / "engine", source=src, progress=False)
     server = Server(tmp_path, paged, "--device", "cuda", "--model-name", MODEL,
                     env={"ENGINESMITH_ORT_OPS_LIB": str(ort_ops_lib)}).wait_ready(timeout=300)
     try:

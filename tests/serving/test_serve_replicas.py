@@ -356,12 +356,12 @@ def test_gpu_devices_one_replica_per_gpu(ort_ops_lib, tmp_path):
     fp16, batch-invariant steps), every replica serves some, SIGTERM exits 0 with no replica left."""
     import torch
 
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
 
     gpus = list(range(min(2, torch.cuda.device_count())))
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
-    paged = lower_for_cuda(src, tmp_path / "engine", capacity=256, kv_layout="paged", page_size=16, max_batch=32,
-                           progress=False)
+    paged = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=256, kv_layout="paged", page_size=16,
+                              max_batch=32), tmp_path / "engine", source=src, progress=False)
     server = Server(tmp_path, paged, "--device", "cuda", "--devices", ",".join(map(str, gpus)), "--model-name", MODEL,
                     # a fixed pool: a share of the GPU's memory is what other test processes leave (H100, -n 6:
                     # "the KV pool would have -3140106 pages")

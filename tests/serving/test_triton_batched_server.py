@@ -162,13 +162,13 @@ def test_gpu_paged_engine_on_a_gpu_instance_serves_concurrent_streams_as_alone(o
     require_module("tritonclient.grpc", "pip install 'tritonclient[grpc,http]'")
     if pytriton_root() is None:
         missing("tritonserver is not installed", "pip install --no-deps nvidia-pytriton==0.7.0")
-    from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.serving.triton_repository import parse_config, write_model_repository
 
     monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))  # the stub inherits the server's environment
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
-    engine = lower_for_cuda(src, tmp_path / "engine", capacity=256, kv_layout="paged", page_size=16, max_batch=32,
-                            progress=False)
+    engine = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=256, kv_layout="paged", page_size=16,
+                               max_batch=32), tmp_path / "engine", source=src, progress=False)
     model = write_model_repository(engine, tmp_path / "repo", MODEL, execution_env=model_env(), device="cuda",
                                    max_tokens=32, gpus=(0,))
     assert [list(g.gpus) for g in parse_config((model / "config.pbtxt").read_text()).instance_group] == [[0]]

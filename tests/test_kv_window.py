@@ -180,3 +180,65 @@ def test_pages_behind_the_window_point_at_the_null_page():
     with pytest.raises(ValueError, match="behind the window"):
         m.truncate("a", 20)
     assert KVCacheManager(64, BS).window_pages(4) is None and KVCacheManager(64, BS).pages_for(40, 4) == 10
+
+
+# ---------------------------------------------------------------- the real paged op, on the CPU
+
+@pytest.fixture(scope="module")
+def windowed_engine(ort_ops_lib, tmp_path_factory):
+    """tiny:gemma2 lowered for the paged CUDA engine (its CPU kernel runs here), then every layer's
+    PagedGroupQueryAttention given a window of 8 (Mistral-style: all layers windowed, head size 256;
+    tiny:mistral-sw's head size 16 is refused by the op). Returns (the mixed engine, the windowed one)."""
+    pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    import json
+
+    try:  # enginesmith/build is being renamed enginesmith/builder
+        from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
+    except ModuleNotFoundError:
+        from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.core import engine_dir
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
+    root = tmp_path_factory.mktemp("gemma2w")
+    src = cached_engine(BuildConfig(model="tiny:gemma2", dtype="fp16"), progress=False)
+    mixed = lower_for_cuda(src, root / "mixed", capacity=160, kv_layout="paged", page_size=16, max_batch=4,
+                           progress=False)
+    windowed = root / "windowed"
+    import shutil
+    shutil.copytree(mixed, windowed)
+    model = onnx.load(str(mixed / "model.onnx"), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "PagedGroupQueryAttention":
+            kept = [a for a in node.attribute if a.name != "local_window_size"]
+            del node.attribute[:]
+            node.attribute.extend(kept + [onnx.helper.make_attribute("local_window_size", 8)])
+    onnx.save(model, str(windowed / "model.onnx"))
+    raw = json.loads((windowed / "build.json").read_text())
+    (windowed / "build.json").unlink()
+    engine_dir.write_manifest(windowed, {k: v for k, v in raw.items() if k not in ("format_version", "files")})
+    yield mixed, windowed
+    mp.undo()
+
+
+def test_the_cpu_paged_op_gives_the_same_tokens_with_pages_given_back(windowed_engine):
+    """Greedy tokens of 4 requests (prompts of 5..37 tokens, 40..120 new) through the paged op's CPU
+    kernel: the same with the window's pages given back as with every page kept; a request then holds
+    at most window_pages(16) = 4 pages of 16 instead of up to 8. Gemma 2 as built (a global layer beside
+    the windowed one) frees nothing: kv_window None."""
+    from enginesmith.runtime.paged_cuda import open_paged_engine
+
+    mixed, windowed = windowed_engine
+    assert open_paged_engine(mixed, device="cpu", num_pages=40).engine.kv_window is None
+    rng = random.Random(5)
+    requests = [([rng.randrange(2, 200) for _ in range(n)], m) for n, m in ((5, 120), (37, 40), (16, 50), (23, 45))]
+    outs, most = {}, {}
+    for free in (False, True):
+        engine = open_paged_engine(windowed, device="cpu", num_pages=40).engine
+        assert engine.layer_windows == [8, 8] and engine.kv_window == 8
+        if not free:
+            engine.kv_window = None
+        outs[free], most[free] = _run(engine, requests, False, chunk=16)
+    assert outs[True] == outs[False]
+    assert most[True] <= 4 < most[False] == 8

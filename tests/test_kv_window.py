@@ -193,18 +193,15 @@ def windowed_engine(ort_ops_lib, tmp_path_factory):
     onnx = pytest.importorskip("onnx")
     import json
 
-    try:  # enginesmith/build is being renamed enginesmith/builder
-        from enginesmith.builder.engine import BuildConfig, cached_engine, lower_for_cuda
-    except ModuleNotFoundError:
-        from enginesmith.build.engine import BuildConfig, cached_engine, lower_for_cuda
+    from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.core import engine_dir
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))
     root = tmp_path_factory.mktemp("gemma2w")
     src = cached_engine(BuildConfig(model="tiny:gemma2", dtype="fp16"), progress=False)
-    mixed = lower_for_cuda(src, root / "mixed", capacity=160, kv_layout="paged", page_size=16, max_batch=4,
-                           progress=False)
+    mixed = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=160, kv_layout="paged", page_size=16,
+                              max_batch=4), root / "mixed", source=src, progress=False)
     windowed = root / "windowed"
     import shutil
     shutil.copytree(mixed, windowed)

@@ -62,13 +62,10 @@ def _stages(names: list[str], enabled: bool = True):
 
 def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = True, locked: bool = False,
           replace_any: bool = False, source: Path | None = None) -> Path:
-    """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted.
-    Another build writing `out` at the same time is refused (`locked`: the caller holds its lock).
-    `force` replaces only an engine directory (`replace_any`: whatever is there, for our own cache).
-
-    `source` (target ort-cuda only): lower this engine directory, already built, in place of the
-    cached plain engine of config.model; its precision is kept (tests and benchmarks lower fp32
-    engines too, for the CPU EP), so config.dtype and config.model are not read."""
+    """Build an engine directory at `out`; nothing is left at `out` if this fails or is interrupted. Another
+    build writing `out` meanwhile is refused (`locked`: the caller holds its lock). `force` replaces only an
+    engine directory (`replace_any`: whatever is there, for our own cache). `source` (ort-cuda only): an
+    engine directory to lower, of any precision, in place of config.model's cached plain engine."""
     if source is not None and config.target != "ort-cuda":
         raise UserError(f"only an ort-cuda build lowers an engine already built (this is {config.target})",
                         "build from the model instead")
@@ -76,10 +73,9 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     trt_version = _check_tensorrt(config) if config.target == "trt" else None  # before minutes of export
     if config.needs_ort_ops:
         ort_ops.require()  # compiled here on first use, or a one-line reason why it cannot be
-    if config.target == "ort-cuda":  # the plain engine (cached), lowered into `out`
-        with engine_dir.write_atomically(
-                out, overwrite=force, locked=locked,
-                replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp:
+    replaceable = (lambda _: True) if replace_any else engine_dir.looks_like_engine
+    if config.target == "ort-cuda":  # the plain engine (cached) or `source`, lowered into `out`
+        with engine_dir.write_atomically(out, overwrite=force, locked=locked, replaceable=replaceable) as tmp:
             src = Path(source) if source is not None else cache.source(
                 _plain_source(config, config.dtype, config.opset), progress=progress)
             _lower(src, tmp, config, progress)
@@ -101,9 +97,8 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     report: list[dict] = []
     trt = config.target == "trt"
     names = ["load", "export"] + ["passes"] * bool(pass_steps) + ["tokenizer"] + ["tensorrt"] * trt + ["manifest"]
-    with engine_dir.write_atomically(
-            out, overwrite=force, locked=locked,
-            replaceable=(lambda _: True) if replace_any else engine_dir.looks_like_engine) as tmp, _stages(names, progress) as stage:
+    with engine_dir.write_atomically(out, overwrite=force, locked=locked, replaceable=replaceable) as tmp, \
+            _stages(names, progress) as stage:
         stage("load model")
         loaded = models.load(source)
         adapter = lora_adapter.read_adapter(config.lora) if config.lora else None
@@ -123,11 +118,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
         backend = {"name": "onnxruntime", "version": ort.__version__}
         if trt:
             stage("TensorRT engine")
-            from enginesmith.builder import trt as trt_build  # deferred: trt_lint imports onnx
-
-            target = config.trt_version or (jetson.preset(config.preset).lint_target() if config.preset else None)
-            backend = trt_build.build_tensorrt(tmp, config.trt or trt_build.trt_config(config.preset), target)
-            backend.setdefault("version", trt_version)
+            backend = _tensorrt_backend(config, tmp, trt_version)
         stage("hashes + build.json")
         cfg = loaded.model.config
         shape = KVShape.of(cfg)
@@ -160,6 +151,16 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
             "build_seconds": round(time.time() - started, 1),
         })
     return out
+
+
+def _tensorrt_backend(config: BuildConfig, tmp: Path, trt_version: str | None) -> dict:
+    """The TensorRT plan of the engine in `tmp`, built; build.json's backend record of it."""
+    from enginesmith.builder import trt as trt_build  # deferred: trt_lint imports onnx
+
+    target = config.trt_version or (jetson.preset(config.preset).lint_target() if config.preset else None)
+    backend = trt_build.build_tensorrt(tmp, config.trt or trt_build.trt_config(config.preset), target)
+    backend.setdefault("version", trt_version)
+    return backend
 
 
 def _plain_source(config: BuildConfig, dtype: str, opset: int) -> BuildConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from enginesmith.core import kv_spec
 from enginesmith.core.errors import UserError
 
 
@@ -50,7 +51,7 @@ FEATURES: dict[str, str] = {
 }
 
 PASSES = ("smoothquant", "w4a16-rtn", "w4a16-awq", "w8a8")
-KV_LAYOUTS = ("dense", "ring", "paged")
+KV_LAYOUTS = kv_spec.LAYOUTS
 CUDA_OPS = ("GroupQueryAttention", "enginesmith.GroupQueryAttention", "enginesmith.PagedGroupQueryAttention")
 
 # feature -> {pass, layout or op it rules out: the reason}. Anything not named runs.

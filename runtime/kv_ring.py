@@ -37,7 +37,7 @@ import json
 
 import numpy as np
 
-from enginesmith.core import io_names
+from enginesmith.core import io_names, kv_spec
 from enginesmith.core.kv_layout import ring_feeds
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
@@ -184,7 +184,7 @@ class RingKVCache:
                         "speculative decoding")
 
 
-KV_LAYOUT_KEY = "enginesmith.kv_layout"  # the graph metadata the KV passes write (passes/kv)
+KV_LAYOUT_KEY = kv_spec.GRAPH_KEY  # the graph metadata the KV passes write (passes/kv)
 
 
 def _exact_chunk(session: ort.InferenceSession, window: int) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from enginesmith.core import io_names
+from enginesmith.core import io_names, kv_spec
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
@@ -71,12 +71,19 @@ class OrtEngine:
         self.kv_dtype = _NP_DTYPES[first.type]
         logits = self.session.get_outputs()[0]
         self.vocab = int(logits.shape[-1])
-        self.kv_layout = "ring" if "write_indices" in inputs else "paged" if "block_tables" in inputs else "dense"
+        try:  # the layout the KV passes recorded in the graph (core/kv_spec.py); input names decide nothing
+            layout = kv_spec.graph_layout(self.session.get_modelmeta().custom_metadata_map)
+        except ValueError as exc:
+            raise UserError(f"{onnx_path}: {exc}", "rebuild the engine") from None
+        self.kv_layout, self.kv_policy = layout["type"], layout.get("policy", "streaming")
+        scores = any(o.name.startswith(io_names.ATTENTION_SCORES) for o in self.session.get_outputs())
+        if scores != (self.kv_layout == "ring" and self.kv_policy == "h2o"):
+            raise UserError(f"{onnx_path}: its attention-score outputs and its recorded KV layout {layout} disagree",
+                            "rebuild the engine")
 
     def new_cache(self, batch: int) -> KVCache:
         """DenseKVCache, or the Ring/Paged cache for a graph rewritten by kv_ring / kv_paged."""
-        if self.kv_layout == "ring" and any(o.name.startswith(io_names.ATTENTION_SCORES)
-                                            for o in self.session.get_outputs()):
+        if self.kv_layout == "ring" and self.kv_policy == "h2o":
             return H2OKVCache.for_session(self.session, batch, self.device)  # kv_h2o: heavy-hitter eviction
         if self.kv_layout == "ring":
             return RingKVCache.for_session(self.session, batch, self.device)

@@ -17,16 +17,16 @@ from dataclasses import asdict, dataclass
 
 from enginesmith import __version__
 from enginesmith.core.errors import UserError
+from enginesmith.core import kv_spec
 from enginesmith.core.io_names import MAX_CUDA_BATCH
 from enginesmith.models import lora_adapter
 from enginesmith.plugins.limits import limits as kernel_limits
 
 TARGETS = ("ort-cpu", "ort-cuda", "trt")
-KV_LAYOUTS = ("dense", "ring", "paged", "h2o")
-# --for-cuda: the KV format of the paged engine's pages (passes/lower/ort_paged_gqa.py) or of the dense
-# engine's buffers with --custom-attention (passes/lower/ort_kv_quant.py)
-KV_DTYPES = ("fp16", "int8", "fp8")
-PAGE_SIZE = 16                 # "paged" default: tokens per KV page
+# the KV layouts (a --kv choice), the CUDA KV formats (--for-cuda: the paged engine's pages, passes/kv/
+# ort_paged_gqa.py, or the dense engine's buffers with --custom-attention, passes/kv/ort_kv_quant.py) and
+# the default page size are named once, in core/kv_spec.py
+KV_LAYOUTS, KV_DTYPES, PAGE_SIZE = kv_spec.BUILD_CHOICES, kv_spec.KV_DTYPES, kv_spec.PAGE_SIZE
 PAGED_MAX_BATCH = 64           # ort-cuda paged: default most rows per step (kv_layout.max_batch)
 
 

@@ -19,7 +19,7 @@ from enginesmith.builder.cache import cached_engine, default_engine_path  # noqa
 from enginesmith.builder.config import (KV_DTYPES, KV_LAYOUTS, PAGE_SIZE, PAGED_MAX_BATCH,  # noqa: F401  (re-exported)
                                       TARGETS, BuildConfig)
 from enginesmith.builder.code_fingerprint import code_fingerprint
-from enginesmith.core import engine_dir
+from enginesmith.core import engine_dir, kv_spec
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import require as require_onnxruntime
 from enginesmith.core.progress import LOG_INTERVAL, interactive
@@ -324,8 +324,8 @@ def _kv_layout(config: BuildConfig, max_positions: int) -> dict:
         if config.kv_budget > max_positions:
             raise UserError(f"an H2O cache of {config.kv_budget} slots exceeds the model's context of "
                             f"{max_positions} positions", f"use --kv-budget <= {max_positions}")
-        return {"type": "ring", "policy": "h2o", "sinks": 0, "window": config.kv_budget,
-                "capacity": config.kv_budget}
+        kind, policy = kv_spec.stored_layout("h2o")
+        return {"type": kind, "policy": policy, "sinks": 0, "window": config.kv_budget, "capacity": config.kv_budget}
     capacity = config.kv_sinks + config.kv_window
     if capacity > max_positions:
         raise UserError(f"a ring KV cache of {config.kv_sinks} sinks + {config.kv_window} window = {capacity} "

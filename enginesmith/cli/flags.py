@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from enginesmith.builder.engine import BuildConfig, cached_engine
 from enginesmith.cli import bounds
-from enginesmith.core import engine_dir
+from enginesmith.core import engine_dir, kv_spec
 from enginesmith.core.errors import UserError
 from enginesmith.core.out_paths import check_out
 from enginesmith.runtime.chat import stop_token_ids
@@ -71,7 +71,7 @@ def add_kv_flags(p: argparse.ArgumentParser, eval_policies: bool = False) -> Non
         g.add_argument("--stride", type=int, default=1, help="recompute: tokens scored per forward (1 = exact)")
         g.add_argument("--plot", metavar="PNG", default=None, help="write perplexity over position to PNG")
     else:
-        g.add_argument("--kv", choices=["dense", "ring", "paged", "h2o"], default="dense",
+        g.add_argument("--kv", choices=kv_spec.BUILD_CHOICES, default="dense",
                        help="KV layout (default dense; paged = fixed-size pages + block tables; h2o = "
                             "--kv-budget slots, evicting the least-attended token (heavy hitters + recent))")
         g.add_argument("--kv-budget", type=int, default=1024, help="h2o: KV slots kept (default 1024)")

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import PurePosixPath
 from typing import Any, Callable, Mapping
 
+from enginesmith.core import kv_spec
 from enginesmith.core.errors import EngineError
 from enginesmith.core.io_names import GQA_IO, PAGED_GQA_IO
 
 FORMAT_VERSION = 2
 MAX_FILES = 4096          # an engine holds a graph, its data, a tokenizer, maybe a plan and plugins
 MAX_PATH_CHARS = 512
-KV_TYPES = ("dense", "ring", "paged")
+KV_TYPES = kv_spec.LAYOUTS
 KV_IOS = {GQA_IO: "dense", PAGED_GQA_IO: "paged"}  # kv_layout.io (a CUDA-lowered graph's interface) -> its type
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -90,6 +91,8 @@ class KVLayout:
     page_size: int | None = None
     io: str | None = None       # lowered for ONNX Runtime CUDA: "gqa-shared-buffer" (dense) or "paged-gqa"
     max_batch: int | None = None  # rows of a CUDA engine's KV buffer, or of a paged one's step (--max-batch)
+    policy: str | None = None   # ring: "streaming" (sinks + window) or "h2o" (heavy hitters); absent = streaming
+    kv_dtype: str | None = None  # CUDA engines: the KV format, "int8" or "fp8"; absent = fp16
 
     def as_dict(self) -> dict:
         """The layout as build.json writes it (fields that are set)."""
@@ -244,7 +247,11 @@ def _kv_layout(data: _Fields) -> KVLayout:
     io = kv.get("io", lambda v: v in KV_IOS, f"{' or '.join(map(repr, KV_IOS))} or absent")
     layout = KVLayout(type=kind, capacity=kv.integer("capacity", 1), sinks=kv.integer("sinks", 0),
                       window=kv.integer("window", 1), page_size=kv.integer("page_size", 1), io=io,
-                      max_batch=kv.integer("max_batch", 1))
+                      max_batch=kv.integer("max_batch", 1),
+                      policy=kv.get("policy", lambda v: v in kv_spec.RING_POLICIES and kind == "ring",
+                                    f"one of {', '.join(kv_spec.RING_POLICIES)} (ring only) or absent"),
+                      kv_dtype=kv.get("kv_dtype", lambda v: v in kv_spec.KV_DTYPES,
+                                      f"one of {', '.join(kv_spec.KV_DTYPES)} or absent"))
     if kind == "ring" and (layout.sinks is None or layout.window is None):
         raise ManifestError("field 'kv_layout' of type ring needs integer 'sinks' and 'window'", "rebuild the engine")
     if kind == "paged" and layout.page_size is None:

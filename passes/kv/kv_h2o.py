@@ -17,6 +17,7 @@ the slots hold, so evicting any slot needs no other graph change. Exact: Y is un
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ import onnx_ir as ir
 
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
-from enginesmith.passes.machinery.edit import Namer, add_initializer
+from enginesmith.passes.machinery.edit import KV_LAYOUT_KEY, Namer, add_initializer
 from enginesmith.passes.machinery.registry import PassContext, PassResult, register
 
 SOFTMAX_OUTPUT = 3  # Attention-23 qk_matmul_output_mode: the probabilities after softmax
@@ -72,4 +73,6 @@ def kv_h2o(model: ir.Model, params: KVH2OParams, ctx: PassContext) -> PassResult
         out.name, out.type = f"{io_names.ATTENTION_SCORES}{i}", probs.type
         out.shape = ir.Shape(["batch", None, None])                           # [B, H, C]
         graph.outputs.append(out)
+    layout = json.loads(model.metadata_props.get(KV_LAYOUT_KEY, "") or "{}")  # kv_ring's
+    model.metadata_props[KV_LAYOUT_KEY] = json.dumps({**layout, "type": "ring", "policy": "h2o"})
     return PassResult({"layers": len(attention)})

@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-KV_LAYOUT_KEY = "enginesmith.kv_layout"  # graph metadata: the KV layout the kv and lower passes wrote (JSON)
+from enginesmith.core import kv_spec
+
+KV_LAYOUT_KEY = kv_spec.GRAPH_KEY  # graph metadata: the KV layout the kv and lower passes wrote (JSON)
 SWAP_HEADS_SEQ = [0, 2, 1, 3]            # Transpose perm: [B, heads, S, D] <-> [B, S, heads, D]
 
 

@@ -2,7 +2,7 @@
 
 One table (FAMILIES) says what a family is made of (its `features`); one table (FEATURE_LIMITS)
 says which passes, KV layouts and CUDA ops each feature rules out, and why. `support(family)` joins
-them; `enginesmith models` prints it and tests/test_families.py checks it against the passes
+them; `enginesmith models` prints it and tests/models/test_families.py checks it against the passes
 themselves (a "yes" runs, a "no" is refused with a UserError). The passes decide from the graph
 and the attention metadata the export writes (export/attention_meta.py), never from this table:
 the table is the summary, the tests keep it honest.
@@ -63,7 +63,7 @@ FEATURE_LIMITS: dict[str, dict[str, str]] = {
                       "GroupQueryAttention": "the attention is not fused (no RotaryEmbedding)"},
     "fused_projections": {"GroupQueryAttention": "the attention is not fused (no RotaryEmbedding)"},
     # (enginesmith.PagedGroupQueryAttention has soft-capping, windows, head size 256 and takes q/k norms:
-    # tests/test_paged_families.py)
+    # tests/models/test_paged_families.py)
     "softcap": {"paged": "no soft-capping in the CPU paged layout (the CUDA paged engine has it: paged-gqa)"},
     "sliding_window": {"paged": "no sliding window in the CPU paged layout (the CUDA paged engine has it: "
                                 "paged-gqa)"},

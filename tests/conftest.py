@@ -7,7 +7,7 @@ content-hash-keyed cache that `enginesmith run` uses, so a second test session r
 - `tiny_engine(family)`: engine directory of a tiny random model (`tiny:<family>`).
 - `austen`: the Jane Austen corpus (Debian package r-cran-janeaustenr) is installed; tests that read
   it (`eval ppl`'s default text, calibration) ask for it, so they skip without it (fail under
-  ENGINESMITH_TEST_STRICT=1, see tests/external.py).
+  ENGINESMITH_TEST_STRICT=1, see tests/helpers/external.py).
 Tests that use the SmolLM2 fixtures are `@pytest.mark.slow` (they still run in CI).
 
 Tests never write into the user's cache: unless ENGINESMITH_CACHE names one, they use a per-user
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from external import missing
+from helpers.external import missing
 
 
 def pytest_configure(config):
-    from plugin_build import shared_root
+    from helpers.plugin_build import shared_root
 
     if not os.environ.get("ENGINESMITH_CACHE"):
         os.environ["ENGINESMITH_CACHE"] = str(shared_root() / "cache")
@@ -92,10 +92,10 @@ def tiny_engine():
 def ort_ops_lib(request):
     """libenginesmith_ort_ops.so for the tests that run enginesmith's ORT ops (their CPU kernels here):
     $ENGINESMITH_ORT_OPS_LIB or $ENGINESMITH_PLUGINS_BUILD's if built (the GPU machine), else compiled
-    once here for one arch, the ops target alone (tests/plugin_build.py; nvcc and cmake needed: else a
+    once here for one arch, the ops target alone (tests/helpers/plugin_build.py; nvcc and cmake needed: else a
     skip, a failure under strict)."""
     from enginesmith.plugins import compile as plugin_compile
-    from plugin_build import compile_targets
+    from helpers.plugin_build import compile_targets
 
     for env, name in (("ENGINESMITH_ORT_OPS_LIB", ""), (plugin_compile.BUILD_ENV, plugin_compile.LIBRARIES["ort_ops"])):
         given = Path(os.environ.get(env, "/nonexistent")) / name

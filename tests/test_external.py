@@ -1,4 +1,4 @@
-"""tests/external.py: a prerequisite outside the repository skips with its reason, or fails under the
+"""tests/helpers/external.py: a prerequisite outside the repository skips with its reason, or fails under the
 strict switch; .ci/run turns the switch on and still runs exactly the README's test command."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-import external
-from external import REPO, STRICT_ENV, TENSORRT, ExternalPath, require_module
+from helpers import external
+from helpers.external import REPO, STRICT_ENV, TENSORRT, ExternalPath, require_module
 
 
 def outcome(call) -> BaseException:

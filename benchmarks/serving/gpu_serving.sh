@@ -58,7 +58,7 @@ step() {
     fi
     if [[ " $PHASES " == *" tests "* ]]; then
         cd "$REPO/tests"
-        step gpu-tests python3 -m pytest -q -m gpu ${GPU_TESTS:-plugins/test_ort_paged_attention.py plugins/test_ort_paged_attention_options.py plugins/test_ort_attention.py plugins/test_ort_attention_kv_quant.py passes/test_paged_gqa.py test_paged_cuda.py test_paged_families.py test_dense_kv_quant.py test_families.py test_throughput_bench.py} -p no:cacheprovider
+        step gpu-tests python3 -m pytest -q -m gpu ${GPU_TESTS:-plugins/test_ort_paged_attention.py plugins/test_ort_paged_attention_options.py plugins/test_ort_attention.py plugins/test_ort_attention_kv_quant.py passes/test_paged_gqa.py runtime/test_paged_cuda.py models/test_paged_families.py runtime/test_dense_kv_quant.py models/test_families.py measure/test_throughput_bench.py} -p no:cacheprovider
         cd /tmp
     fi
     B=(--dtype fp16 --for-cuda --kv paged --page-size 16 --max-batch 64 --capacity 2048)

@@ -24,7 +24,7 @@ kv_dtype, which the runtime reads off the buffers' type anyway.
 Every attention layer must be enginesmith's op on shared buffers: a com.microsoft GroupQueryAttention
 left by ort_attention (bf16, ...) is refused with its reason, since ONNX Runtime's own attention reads
 fp16 KV only and the runtime allocates one buffer type for all layers.
-Not checked by the pass manager (lossy): tests/test_dense_kv_quant.py compares the logits with the
+Not checked by the pass manager (lossy): tests/runtime/test_dense_kv_quant.py compares the logits with the
 fp16-KV engine's.
 """
 

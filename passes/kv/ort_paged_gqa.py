@@ -48,7 +48,7 @@ the pass leaves as they are. Every attention layer must be enginesmith's op: a c
 ort_attention could not take (bf16, ...) is refused with its reason, since the paged CUDA engine has no
 other paged attention; so is an enginesmith one the paged op cannot take (a head size outside
 plugins/limits.json's). Not checked by the pass manager (it cannot feed the new interface):
-tests/passes/test_paged_gqa.py and tests/test_paged_families.py compare the logits with the dense graph's.
+tests/passes/test_paged_gqa.py and tests/models/test_paged_families.py compare the logits with the dense graph's.
 """
 
 from __future__ import annotations

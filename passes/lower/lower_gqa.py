@@ -396,7 +396,7 @@ def _lower(model: ir.Model, m: Match, namer: Namer, feeds: dict, capacity: int, 
     if match.attr(attention, "softcap", 0.0):
         attrs.append(ir.AttrFloat32("softcap", float(match.attr(attention, "softcap"))))
     if window is not None:  # transformers: q - k < W; ORT's GQA then takes local_window_size = W (checked
-        attrs.append(ir.AttrInt64("local_window_size", window))  # on CPU by tests/test_families.py)
+        attrs.append(ir.AttrInt64("local_window_size", window))  # on CPU by tests/models/test_families.py)
     gqa = ir.Node(MS_DOMAIN, "GroupQueryAttention",
                   [qkv, None, None, m["past_k"], m["past_v"], feeds[SEQLENS], feeds[TOTAL], cos_v, sin_v],
                   attrs, num_outputs=3, name=namer(f"{base}_gqa"))

@@ -15,7 +15,7 @@ from enginesmith.builder.trt_lint import EXIT_FINDINGS, lint, main
 from enginesmith.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
-from tiny_families import FAMILIES
+from helpers.tiny_families import FAMILIES
 
 
 def rules(findings) -> list[str]:

@@ -1,4 +1,4 @@
-"""mypy over the TensorRT code, against the tensorrt 10.13 stubs ($ENGINESMITH_TRT_STUBS, see tests/external.py).
+"""mypy over the TensorRT code, against the tensorrt 10.13 stubs ($ENGINESMITH_TRT_STUBS, see tests/helpers/external.py).
 
 TensorRT cannot be installed here, so this type check is what stands between the builder/runner and
 a typo in an API call. The package is mapped from its folders (export/ -> enginesmith.export, ...),
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from external import TRT_STUBS, require_module
+from helpers.external import TRT_STUBS, require_module
 
 REPO = Path(__file__).resolve().parents[2]
 # paths inside the installed package (enginesmith/<here>), and where each lies in the repository

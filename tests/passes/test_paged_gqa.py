@@ -121,7 +121,7 @@ def test_refuses_ort_attention_it_cannot_page_with_the_reason(tmp_path):
 @pytest.mark.parametrize("attr,value", [("softcap", 50.0), ("local_window_size", 8)])
 def test_carries_softcap_and_window_onto_the_paged_op(dense_graph, attr, value):
     """ort_attention carries Gemma's soft-capping and sliding windows onto enginesmith's dense op; the
-    paged op takes the same attributes, layer by layer (numerics: tests/test_paged_families.py)."""
+    paged op takes the same attributes, layer by layer (numerics: tests/models/test_paged_families.py)."""
     model = ir.load(dense_graph)
     node = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     node.attributes[attr] = ir.AttrFloat32(attr, value) if isinstance(value, float) else ir.AttrInt64(attr, value)

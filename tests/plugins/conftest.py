@@ -1,10 +1,10 @@
 """Fixtures for the plugin tests: the plugin modules and one CMake build shared by the session.
 
-The build is made once per machine for one arch (tests/plugin_build.py; every arch under
+The build is made once per machine for one arch (tests/helpers/plugin_build.py; every arch under
 ENGINESMITH_TEST_STRICT=1) unless $ENGINESMITH_PLUGINS_BUILD names a directory that already holds it
 (on the GPU machine: `enginesmith plugins build`'s cache directory). The kernels need
 only nvcc; the TensorRT plugin library also needs the TensorRT headers ($TENSORRT_ROOT, see
-tests/external.py): without them the tests of that library skip, or fail under ENGINESMITH_TEST_STRICT=1.
+tests/helpers/external.py): without them the tests of that library skip, or fail under ENGINESMITH_TEST_STRICT=1.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from external import TENSORRT, missing
-from plugin_build import compile_targets, tensorrt_root
+from helpers.external import TENSORRT, missing
+from helpers.plugin_build import compile_targets, tensorrt_root
 from plugin_modules import kernels, load
 
 
@@ -28,7 +28,7 @@ def nvcc_path() -> str | None:
 def kernel_build(request) -> Path:
     """Directory holding libenginesmith_kernels.so; with the TensorRT headers present, the TensorRT
     plugin library and wrapper check too (the ORT ops: ort_ops_lib). Compiled once per machine for one
-    arch (tests/plugin_build.py); under ENGINESMITH_TEST_STRICT=1 (.ci/run) for every arch of
+    arch (tests/helpers/plugin_build.py); under ENGINESMITH_TEST_STRICT=1 (.ci/run) for every arch of
     ALL_ARCHS, the check that each compiles. The kernels need no TensorRT: a GPU machine without its
     headers still runs every kernel test."""
     prebuilt = os.environ.get("ENGINESMITH_PLUGINS_BUILD")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from external import missing
+from helpers.external import missing
 from plugin_modules import kernels
 
 
@@ -48,7 +48,7 @@ def _cuobjdump() -> str | None:
 def test_device_code_covers_every_arch(plugin_build):
     if os.environ.get("ENGINESMITH_TEST_STRICT") != "1":
         pytest.skip("the every-arch build runs under ENGINESMITH_TEST_STRICT=1 (.ci/run); the tests compiled one arch "
-                    "(tests/plugin_build.py)")
+                    "(tests/helpers/plugin_build.py)")
     cuobjdump = _cuobjdump()
     if cuobjdump is None:
         missing("cuobjdump is not installed (the build itself used CMAKE_CUDA_ARCHITECTURES=" + kernels.ALL_ARCHS + ")",

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from test_kv_paged import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
+from helpers.paged_graphs import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
 
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig

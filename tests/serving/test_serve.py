@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from external import needs_cuda, require_module
+from helpers.external import needs_cuda, require_module
 
 openai = require_module("openai", "pip install openai")
 httpx = require_module("httpx", "pip install httpx")

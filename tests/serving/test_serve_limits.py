@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import hostile
-from external import require_module
+from helpers.external import require_module
 from test_serve import KEY, RUN_DIR, Server
 from test_serve_replicas import stop_all
 

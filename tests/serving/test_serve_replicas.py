@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from external import needs_cuda, require_module
+from helpers.external import needs_cuda, require_module
 from test_serve import (KEY, MODEL, PROMPTS, RUN_DIR, Server, answer, concurrent_answers, parse_prometheus, streamed,
                         wait_for)
 

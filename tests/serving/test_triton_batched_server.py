@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from external import missing, needs_cuda, require_module  # noqa: E402
+from helpers.external import missing, needs_cuda, require_module  # noqa: E402
 from triton_server import GrpcStream, TritonServer, grpc_stream, model_env, pytriton_root  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from enginesmith.serving.triton_repository import INPUTS, OUTPUTS, ModelOptions,
 from enginesmith.serving.triton_model import prompt_ids, request_settings
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime.tokenizer import Tokenizer
-from external import require_module
+from helpers.external import require_module
 
 
 def fake_engine(root: Path, backend: dict | None = None, files: dict[str, bytes] | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""What TensorRT's ONNX parser accepts, per TensorRT version: data for build/trt_lint.py.
+"""What TensorRT's ONNX parser accepts, per TensorRT version: data for builder/trt_lint.py.
 
 Source: onnx-tensorrt `docs/operators.md` (the 10.1 and 10.15 GA tables) and its CHANGELOG.md
 (versions that added ops). TensorRT 11.x documents the same opset range (9-24) and table as 10.15.

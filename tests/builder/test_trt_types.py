@@ -18,9 +18,9 @@ from helpers.external import TRT_STUBS, require_module
 
 REPO = Path(__file__).resolve().parents[2]
 # paths inside the installed package (enginesmith/<here>), and where each lies in the repository
-CHECKED = {"runtime/trt_engine.py": "runtime/trt_engine.py", "build/trt_lint.py": "enginesmith/builder/trt_lint.py",
-           "build/trt_ops.py": "enginesmith/builder/trt_ops.py", "build/jetson.py": "enginesmith/builder/jetson.py",
-           "build/trt.py": "enginesmith/builder/trt.py", "build/trt_plan.py": "enginesmith/builder/trt_plan.py",
+CHECKED = {"runtime/trt_engine.py": "runtime/trt_engine.py", "builder/trt_lint.py": "enginesmith/builder/trt_lint.py",
+           "builder/trt_ops.py": "enginesmith/builder/trt_ops.py", "builder/jetson.py": "enginesmith/builder/jetson.py",
+           "builder/trt.py": "enginesmith/builder/trt.py", "builder/trt_plan.py": "enginesmith/builder/trt_plan.py",
            "core/tensorrt.py": "enginesmith/core/tensorrt.py", "serving/triton_repository.py": "enginesmith/serving/triton_repository.py",
            "serving/triton_model.py": "enginesmith/serving/triton_model.py"}
 

@@ -1,5 +1,5 @@
-"""The CUDA libraries the tests compile, once per machine: one CMake build folder per arch under the
-temp dir (never the user's cache), shared by pytest-xdist workers and later sessions (ninja rebuilds
+"""The CUDA libraries the tests compile, once per machine: one CMake build folder per arch and source
+tree under the temp dir (never the user's cache), shared by pytest-xdist workers and later sessions (ninja rebuilds
 what changed), built target by target as tests ask for them, under a lock.
 
 One arch only: the GPU's, or sm_90 on a machine without one (the CPU tests run the ops' CPU kernels
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import subprocess
 import tempfile
@@ -70,7 +71,10 @@ def compile_targets(config: pytest.Config, targets: tuple[str, ...], archs: str 
     trt_root = tensorrt_root()
     trt = trt_root is not None
     tag = archs.replace(";", "_").replace("-real", "").replace("-virtual", "ptx")
-    out = shared_root() / f"plugins-sm{tag}{'-trt' if trt else ''}"
+    # one folder per source tree too: CMake refuses a folder configured from another checkout (and
+    # another checkout's folder must never stand in for this one's sources)
+    source = hashlib.sha256(str(plugin_compile.PLUGINS_DIR).encode()).hexdigest()[:8]
+    out = shared_root() / f"plugins-sm{tag}{'-trt' if trt else ''}-{source}"
     out.mkdir(parents=True, exist_ok=True)
     configure, build = plugin_compile.cmake_commands(out, archs, trt, trt_root, jobs=os.cpu_count() or 2,
                                                      targets=targets)

@@ -135,7 +135,10 @@ def test_a_dead_worker_or_ctrl_c_ends_the_run_in_one_line_and_leaves_no_process(
     cmd = [sys.executable, "-m", "enginesmith.cli", "bench", "serve", "--url", server, "--api-key", KEY,
            "--concurrency", "4", "--requests", "8", "--prompt-tokens", "8", "--new-tokens", "400",
            "--tokenizer", "tiny:llama", "--procs", "2", "--extra-body", '{"delay": 0.05, "first_delay": 0.01}']
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal gives it: a test run started in the background (`pytest &`) ignores SIGINT, and
+    # a child would inherit that, so Python would install no KeyboardInterrupt handler in it
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         workers: list[int] = []

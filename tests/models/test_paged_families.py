@@ -154,9 +154,11 @@ def test_the_window_matters(engines, tmp_path):
     assert np.abs(got[9:] - want[9:]).max() > 0.05 * scale
 
 
-def test_mistral_sw_head_size_16_is_refused(tmp_path):
+def test_mistral_sw_head_size_16_is_refused(ort_ops_lib, tmp_path, monkeypatch):
     from enginesmith.builder.engine import BuildConfig, build, cached_engine
     from enginesmith.core.errors import UserError
+
+    monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(ort_ops_lib))  # the lowering needs the ops; the pass refuses
 
     src = cached_engine(BuildConfig(model="tiny:mistral-sw", dtype="fp16"), progress=False)
     with pytest.raises(UserError, match="head size 16"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from enginesmith import __version__
 from enginesmith.builder import cache, jetson
-from enginesmith.builder.cache import cached_engine, default_engine_path  # noqa: F401  (re-exported)
+from enginesmith.builder.cache import default_engine_path  # noqa: F401  (re-exported)
 from enginesmith.builder.config import (KV_DTYPES, KV_LAYOUTS, PAGE_SIZE, PAGED_MAX_BATCH,  # noqa: F401  (re-exported)
                                       TARGETS, BuildConfig)
 from enginesmith.builder.code_fingerprint import code_fingerprint
@@ -76,7 +76,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
     replaceable = (lambda _: True) if replace_any else engine_dir.looks_like_engine
     if config.target == "ort-cuda":  # the plain engine (cached) or `source`, lowered into `out`
         with engine_dir.write_atomically(out, overwrite=force, locked=locked, replaceable=replaceable) as tmp:
-            src = Path(source) if source is not None else cache.source(
+            src = Path(source) if source is not None else _cached_source(
                 _plain_source(config, config.dtype, config.opset), progress=progress)
             _lower(src, tmp, config, progress)
         return Path(out)
@@ -107,7 +107,7 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
         kv_layout = _kv_layout(config, KVShape.of(loaded.model.config).max_positions)
         stage("export to ONNX")
         if pass_steps:  # passes start from the plain dense export, built once and cached
-            src = cache.source(_plain_source(config, dtype, opset), progress=progress) / "model.onnx"
+            src = _cached_source(_plain_source(config, dtype, opset), progress=progress) / "model.onnx"
         else:
             export(loaded.model, tmp / "model.onnx", dtype=dtype, opset=opset)
         if pass_steps:
@@ -151,6 +151,26 @@ def build(config: BuildConfig, out: Path, force: bool = False, progress: bool = 
             "build_seconds": round(time.time() - started, 1),
         })
     return out
+
+
+def cached_engine(config: BuildConfig, progress: bool = True, verify_hashes: bool = False) -> Path:
+    """The engine for `config` from the cache, building it first if it is not there yet. With
+    `verify_hashes` (a source whose bytes go into another engine) every file's sha256 is checked too."""
+    path = cache.default_engine_path(config)
+    if cache.usable(path, notice=False, hashes=verify_hashes):
+        return path
+    with engine_dir.lock(path, wait=True):  # another process building the same engine: wait for it
+        if cache.usable(path, notice=True, hashes=verify_hashes):
+            return path
+        print(f"Building the engine for {config.model or 'the default model (SmolLM2-135M-Instruct)'} "
+              f"once; it is cached in {path}")
+        build(config, path, force=True, progress=progress, locked=True, replace_any=True)
+    return path
+
+
+def _cached_source(config: BuildConfig, progress: bool = True) -> Path:
+    """The cached engine a pass build or a CUDA lowering reads its graph from, its hashes verified."""
+    return cached_engine(config, progress=progress, verify_hashes=True)
 
 
 def _tensorrt_backend(config: BuildConfig, tmp: Path, trt_version: str | None) -> dict:

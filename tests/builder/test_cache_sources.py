@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from enginesmith.builder import cache
-from enginesmith.builder.engine import BuildConfig, build
+from enginesmith.builder.engine import BuildConfig, build, cached_engine
 from enginesmith.core import engine_dir
 
 
 def test_a_corrupted_plain_engine_is_rebuilt_before_a_pass_build(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("ENGINESMITH_CACHE", str(tmp_path / "cache"))
-    plain = cache.cached_engine(BuildConfig(model="tiny:llama"), progress=False)
+    plain = cached_engine(BuildConfig(model="tiny:llama"), progress=False)
     data = plain / "model.onnx.data"
     good = data.read_bytes()
     corrupted = bytearray(good)
@@ -37,7 +36,7 @@ def test_run_refuses_what_the_build_would_have_used(tmp_path, monkeypatch):
     from enginesmith.runtime.load import open_engine
 
     monkeypatch.setenv("ENGINESMITH_CACHE", str(tmp_path / "cache"))
-    plain = cache.cached_engine(BuildConfig(model="tiny:llama"), progress=False)
+    plain = cached_engine(BuildConfig(model="tiny:llama"), progress=False)
     with open(plain / "model.onnx.data", "r+b") as f:
         f.seek(100)
         f.write(b"\xff" * 8)

@@ -212,10 +212,8 @@ def _gpu_count() -> int:
 
 
 def cmd_serve(args) -> int:
-    from enginesmith.runtime.load import paged_model  # deferred: imports onnxruntime (optional; --help works without)
-    from enginesmith.runtime.ort_engine import resolve_device  # deferred: imports onnxruntime
-    from enginesmith.runtime.batching import SchedulerConfig  # deferred: with the runtime above
-    from enginesmith.serving.loop import BatcherLoop  # deferred: with the runtime above
+    from enginesmith.runtime.ort_engine import resolve_device  # deferred: onnxruntime (--help works without)
+    from enginesmith.serving.loop import BatcherLoop, serving_model  # deferred: with the runtime above
 
     _check_flags(args)
     device = resolve_device(args.device)
@@ -232,16 +230,8 @@ def cmd_serve(args) -> int:
         return _serve_core_process(args, device, config, api_key)
     args.batch = args.max_batch  # a --for-cuda paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args, config)
-    try:
-        model = paged_model(loaded, args.num_pages)
-    except UserError:
-        raise UserError(f"{loaded.path} has no paged KV cache; enginesmith serve runs every request through one "
-                        "continuous batcher over KV pages",
-                        "build the engine with `enginesmith build --kv paged` (CPU) or `enginesmith build --for-cuda "
-                        "--kv paged` (GPU), or give --model to build one") from None
-    max_batch = args.max_batch or getattr(model, "max_batch", None) or CPU_MAX_BATCH
-    chunk = args.chunk or CHUNK
-    scheduler = SchedulerConfig(max_batch=max_batch, max_tokens=max(256, max_batch + chunk), chunk=chunk)
+    model, scheduler = serving_model(loaded, args.num_pages, args.max_batch, CPU_MAX_BATCH, args.chunk or CHUNK)
+    max_batch = scheduler.max_batch
     tokenizer = loaded.tokenizer
     loop = BatcherLoop(model, scheduler, max_waiting=args.max_waiting,
                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))

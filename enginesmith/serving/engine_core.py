@@ -75,21 +75,13 @@ def send(conn: Connection, lock: threading.Lock, message: tuple) -> None:
 
 def open_loop(spec: CoreSpec, after_iteration):
     """The BatcherLoop over the engine of `spec`, and its CoreInfo. UserError/EngineError as serve gives them."""
-    from enginesmith.runtime.batching import SchedulerConfig  # deferred: the runtime, once the spec arrived
-    from enginesmith.runtime.load import open_engine, paged_model  # deferred: imports onnxruntime
-    from enginesmith.serving.loop import BatcherLoop  # deferred: imports the runtime
+    from enginesmith.runtime.load import open_engine  # deferred: the runtime, once the spec arrived
+    from enginesmith.serving.loop import BatcherLoop, serving_model  # deferred: imports the runtime
 
     loaded = open_engine(spec.engine, device=spec.device, threads=spec.threads, max_batch=spec.max_batch or 1,
                          num_pages=spec.num_pages, gpu_memory_utilization=spec.gpu_memory_utilization)
-    try:
-        model = paged_model(loaded, spec.num_pages)
-    except UserError:
-        raise UserError(f"{loaded.path} has no paged KV cache; enginesmith serve runs every request through one "
-                        "continuous batcher over KV pages",
-                        "build the engine with `enginesmith build --kv paged` (CPU) or `enginesmith build --for-cuda "
-                        "--kv paged` (GPU), or give --model to build one") from None
-    max_batch = spec.max_batch or getattr(model, "max_batch", None) or spec.cpu_max_batch
-    scheduler = SchedulerConfig(max_batch=max_batch, max_tokens=max(256, max_batch + spec.chunk), chunk=spec.chunk)
+    model, scheduler = serving_model(loaded, spec.num_pages, spec.max_batch, spec.cpu_max_batch, spec.chunk)
+    max_batch = scheduler.max_batch
     loop = BatcherLoop(model, scheduler, max_waiting=CORE_MAX_WAITING, after_iteration=after_iteration)
     info = CoreInfo(os.getpid(), model.max_positions or loaded.max_positions, model.num_pages, model.page_size,
                     loop.batcher.chunk, max_batch, _request_pages(loop.batcher))

@@ -37,10 +37,26 @@ from typing import Callable, Sequence
 
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig
+from enginesmith.runtime.load import paged_model
 from enginesmith.runtime.sampling import SamplingParams
 
 Event = tuple  # ("token", id) | ("done", reason, stop) | ("error", message)
 
+
+
+def serving_model(loaded, num_pages: int | None, max_batch: int | None, default_batch: int,
+                  chunk: int) -> tuple[PagedModel, SchedulerConfig]:
+    """The paged model of an opened engine and the scheduler settings `enginesmith serve` runs it with
+    (in its own process or in the engine core's); an engine without paged KV is one line naming the fix."""
+    try:
+        model = paged_model(loaded, num_pages)
+    except UserError:
+        raise UserError(f"{loaded.path} has no paged KV cache; enginesmith serve runs every request through one "
+                        "continuous batcher over KV pages",
+                        "build the engine with `enginesmith build --kv paged` (CPU) or `enginesmith build --for-cuda "
+                        "--kv paged` (GPU), or give --model to build one") from None
+    max_batch = max_batch or getattr(model, "max_batch", None) or default_batch
+    return model, SchedulerConfig(max_batch=max_batch, max_tokens=max(256, max_batch + chunk), chunk=chunk)
 
 class Overloaded(Exception):
     """Too many requests waiting: retry after `retry_after` seconds."""

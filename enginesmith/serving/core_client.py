@@ -37,7 +37,7 @@ from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime.batching import ContinuousBatcher
 from enginesmith.runtime.sampling import SamplingParams
 from enginesmith.serving.engine_core import CoreInfo, CoreSpec
-from enginesmith.serving.loop import Draining, Event, Handle, LoopStats, Overloaded
+from enginesmith.serving.loop import Draining, Event, Handle, LoopStats, Overloaded, wait_drained
 
 CLOSE_WAIT_S = 10.0
 
@@ -188,10 +188,7 @@ class CoreClient:
     def drain(self, timeout: float | None = None) -> bool:
         """Take no new requests; wait until those in flight end. True if they all did."""
         self._accepting = False
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.in_flight and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.01)
-        return self.in_flight == 0
+        return wait_drained(lambda: self.in_flight, timeout)
 
     def close(self) -> None:
         """Stop the core (asked, then by PID after CLOSE_WAIT_S); requests in flight end with an error event."""

@@ -44,6 +44,14 @@ Event = tuple  # ("token", id) | ("done", reason, stop) | ("error", message)
 
 
 
+def wait_drained(in_flight: Callable[[], int], timeout: float | None) -> bool:
+    """Wait until `in_flight()` is 0 (at most `timeout` s; None: no limit). True if it got there."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while in_flight() and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.01)
+    return in_flight() == 0
+
+
 def serving_model(loaded, num_pages: int | None, max_batch: int | None, default_batch: int,
                   chunk: int) -> tuple[PagedModel, SchedulerConfig]:
     """The paged model of an opened engine and the scheduler settings `enginesmith serve` runs it with
@@ -177,10 +185,7 @@ class BatcherLoop:
     def drain(self, timeout: float | None = None) -> bool:
         """Take no new requests; wait until those in flight end. True if they all did."""
         self._accepting = False
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.in_flight and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.01)
-        return self.in_flight == 0
+        return wait_drained(lambda: self.in_flight, timeout)
 
     def close(self) -> None:
         """Stop the loop thread; requests still in flight end with an error event."""

@@ -134,6 +134,7 @@ def figures(state: Path, steps: dict) -> list[dict]:
         runs = {r["concurrency"]: r for f in (f"serving_{k}_c1", f"serving_{k}")
                 for r in (_load(fig / f"{f}.json") or {}).get("runs", [])}
         http = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_ours.json") or {}).get("runs", [])}
+        core = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_core.json") or {}).get("runs", [])}
         for c in (1, 16, 64):
             r = runs.get(c, {})
             frac = (r.get("bound") or {}).get("fraction_median")
@@ -141,9 +142,12 @@ def figures(state: Path, steps: dict) -> list[dict]:
             row(f"offline {k} concurrency {c} (bench --requests)", f"serving.{k}" + ("_c1" if c == 1 else ""),
                 r.get("tok_s"), runs.get(1, {}).get("tok_s") if c > 1 else None,
                 f"offline {k} at 1" if c > 1 else None, note=note)
-            h = http.get(c, {})
-            row(f"serve over HTTP {k} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),
-                f"offline {k} at {c}", note=f"TTFT p50 {h['ttft_ms']['p50']:.0f} ms" if h.get("ttft_ms") else None)
+            for label, got in (("", http), (" (engine core process)", core)):
+                if label and not core:
+                    continue
+                h = got.get(c, {})
+                row(f"serve over HTTP {k}{label} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),
+                    f"offline {k} at {c}", note=f"TTFT p50 {h['ttft_ms']['p50']:.0f} ms" if h.get("ttft_ms") else None)
     b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
     row("ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)", "serving.genai_b32", b32.get("decode_tok_s"),
         note=f"{b32['ms_per_tok']:.2f} ms/step, e2e {b32['e2e_tok_s']:.0f} tok/s" if b32.get("ms_per_tok") else None)

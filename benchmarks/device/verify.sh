@@ -14,6 +14,11 @@
 #   --fresh         forget everything under /tmp/verify first (engines, libraries, results)
 #   --budget S      seconds this call may use before it packs up (default $VERIFY_BUDGET_S or 560): steps that
 #                   do not fit are recorded as "cut" and the next call's --resume runs them
+#   --detach        with --phases build,engines (or engines): install enginesmith (setup's install step), then
+#                   compile the libraries and build the engines in a process session of their own, which
+#                   outlives this call (device README), and return at once. Made on the first staging call, the
+#                   builds run while the staging goes on (neither needs a staged package); a later call's build
+#                   phase and figure steps wait (within their budget) for what each needs
 # When phases tests and engines run in one call, the engine builds (CPU work) run beside the GPU tests.
 #
 # State lives in /tmp/verify (the only folder this script ever deletes from): state/steps/*.json (one
@@ -37,6 +42,7 @@ OUT="${OUT:-$V/out}"
 PHASES="all"
 RESUME=0
 FRESH=0
+DETACH=0
 BUDGET="${VERIFY_BUDGET_S:-560}"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -44,11 +50,16 @@ while [ $# -gt 0 ]; do
         --phases=*) PHASES="${1#*=}"; shift ;;
         --resume) RESUME=1; shift ;;
         --fresh) FRESH=1; shift ;;
+        --detach) DETACH=1; shift ;;
         --budget) BUDGET="$2"; shift 2 ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
         *) echo "verify.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+if [ "$DETACH" = 1 ] && [ "$PHASES" != engines ] && [ "$PHASES" != build,engines ]; then
+    echo "verify.sh: --detach compiles and builds engines: give --phases build,engines (or engines)" >&2
+    exit 2
+fi
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=25       # seconds kept for the summary and the archives
 MIN_STEP=20      # a step gets at least this much time, or is recorded as cut
@@ -71,7 +82,9 @@ expand() {  # the phase list, aliases expanded, in run order
     echo "$out"
 }
 RUN=" $(expand "$PHASES") "
-if [ ! -f "$V/env.sh" ] && [[ "$RUN" != *" setup "* ]]; then
+if [ "$DETACH" = 1 ]; then
+    RUN=" setup "   # setup's install step only (the machine check needs what staging brings later)
+elif [ ! -f "$V/env.sh" ] && [[ "$RUN" != *" setup "* ]]; then
     echo "verify: this machine has not run setup and build yet: adding them"
     RUN=" setup build$RUN"
 fi
@@ -138,6 +151,23 @@ missing() {  # missing PHASE NAME WHY: a step that cannot run here (recorded, ne
     echo "=== $1.$2: missing: $3"
 }
 
+detached_alive() { [ -f "$V/detached.pid" ] && kill -0 "$(cat "$V/detached.pid")" 2>/dev/null; }
+await_step() {  # await_step ID...: while the detached engine builds run, wait (within this call's budget) until each
+                # step ID has a record written since they started
+    [ -z "${VERIFY_BACKGROUND:-}" ] && detached_alive || return 0
+    local id start
+    start=$(cat "$V/detached.start")
+    for id in "$@"; do
+        local rec="$V/state/steps/$id.json"
+        while detached_alive && ! { [ -f "$rec" ] && [ "$(stat -c %Y "$rec")" -ge "$start" ]; }; do
+            if [ $((DEADLINE - SECONDS - RESERVE - MIN_STEP)) -le 0 ]; then
+                echo "verify: $id is still building in the background (pid $(cat "$V/detached.pid"))"
+                return 1
+            fi
+            sleep 5
+        done
+    done
+}
 # ------------------------------------------------------------------------------------------ the machine
 ES=(python3 -P -m enginesmith.cli)   # -P: the checkout's enginesmith/ must not shadow the installed package
 MODEL="${VERIFY_MODEL:-random:llama-3.2-1b}"   # Llama-3.2-1B-shaped, random weights
@@ -165,13 +195,13 @@ if wants setup; then
     fi
     step setup install 240 env -u ENGINESMITH_KERNEL_ARCHS python3 -m pip install -q --no-deps \
         --no-build-isolation --upgrade --target /tmp/site "$REPO"
-    step -o "$V/setup_check.json" setup check 120 python3 -P "$REPO/benchmarks/device/summarize.py" --probe
+    [ "$DETACH" = 1 ] || step -o "$V/setup_check.json" setup check 120 python3 -P "$REPO/benchmarks/device/summarize.py" --probe
     {
         echo "export PYTHONPATH=/tmp/site\${PYTHONPATH:+:\$PYTHONPATH}"
         echo "export ENGINESMITH_CACHE=$V/cache"
         [ -d "$V/janeaustenr/data" ] && echo "export ENGINESMITH_JANEAUSTENR=$V/janeaustenr"
         # the libraries of an earlier build phase on this machine stay chosen
-        grep "ENGINESMITH_\(ORT_OPS_LIB\|KERNELS_LIB\|PLUGINS_BUILD\)" "$V/env.sh" 2>/dev/null
+        grep "ENGINESMITH_\(ORT_OPS_LIB\|KERNELS_LIB\|PLUGINS_BUILD\)" "$V/env.sh" 2>/dev/null || true
     } > "$V/env.sh.new" && mv "$V/env.sh.new" "$V/env.sh"
     source "$V/env.sh"
 fi
@@ -188,6 +218,7 @@ use_libs() {  # use_libs DIR: later phases (and the tests' fixtures) take the li
     source "$V/env.sh"
 }
 if wants build; then
+    await_step build.plugins build.doctor   # compiled by a detached call on this machine: wait for it
     # the variables must not point anywhere while compiling: `plugins build` would rebuild in that folder
     unset ENGINESMITH_PLUGINS_BUILD ENGINESMITH_ORT_OPS_LIB ENGINESMITH_KERNELS_LIB
     SHA=$(python3 -P -c "from enginesmith.plugins.compile import sources_sha256; print(sources_sha256())" 2>/dev/null)
@@ -199,7 +230,9 @@ if wants build; then
         if cat "$REPO"/.device-libs/libs.tar.xz.part* | tar xJf - -C "$V/libs-carried" && python3 - "$V/libs-carried/verify_libs.json" "$SHA" "$ARCH" "$ORTV" <<'PY'
 import json, sys
 meta = json.load(open(sys.argv[1]))
-want = dict(zip(("sources_sha256", "arch", "onnxruntime"), sys.argv[2:]))
+# the ops library is built against its own copy of ONNX Runtime's C ABI (plugins/ort_ops/ort_abi.h) and asks for
+# its API version at load time: the ONNX Runtime of the build (recorded) need not match the one that loads it
+want = dict(zip(("sources_sha256", "arch"), sys.argv[2:4]))
 bad = {k: (meta.get(k), v) for k, v in want.items() if str(meta.get(k)) != v}
 print("carried libraries:", "match" if not bad else f"do not match {bad}")
 sys.exit(1 if bad else 0)
@@ -237,6 +270,8 @@ PY
                 for d in "$V"/ops-alone/kernels/.*.build; do
                     [ -f "$d/.ninja_log" ] && cp "$d/.ninja_log" "$F/ninja_log_ops_alone.txt"
                 done
+            elif [ "${VERIFY_OPS_ALONE:-auto}" = 0 ]; then
+                missing build ops_alone "the ops library alone was not timed (VERIFY_OPS_ALONE=0)"
             else
                 missing build ops_alone "the ops library alone was not timed: the full build took ${full_s} s (> 120 s; VERIFY_OPS_ALONE=1 forces it)"
             fi
@@ -280,11 +315,21 @@ engines_lane_serving() {
     fi
 }
 KV_ARGS=(--speed-model "$MODEL" --contexts 8192 32768 --batches 1 --steps 30 --calib-samples 8)
-engines_lane_kvquant() {  # the same engines kv_quant_bench.py builds for KV_ARGS (capacity = 32768 + 30 + 64)
-    step engines kvquant 540 python3 -P -c "import sys; sys.path.insert(0, '$REPO/benchmarks/quant'); import kv_quant_bench as k
-for layout in ('paged', 'dense'): print(k.engines('$MODEL', 32768 + 30 + 64, 8, layout))"
+engines_lane_kvquant() {  # the engines kv_quant_bench.py builds for KV_ARGS (capacity = 32768 + 30 + 64):
+                          # fp16, int8 and fp8 KV (the last two calibrated), one process per layout
+    local layout pids=()
+    for layout in paged dense; do
+        step engines "kvquant_$layout" 900 python3 -P -c "import sys; sys.path.insert(0, '$REPO/benchmarks/quant')
+import kv_quant_bench as k; print(k.engines('$MODEL', 32768 + 30 + 64, 8, '$layout'))" &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
 }
 engines_phase() {
+    if [ -z "${VERIFY_BACKGROUND:-}" ] && detached_alive; then
+        echo "verify: the engines are building in the background (pid $(cat "$V/detached.pid"), log $V/logs/detached.txt)"
+        return 0
+    fi
     [ "${1:-}" = beside ] && renice -n 10 -p "$BASHPID" > /dev/null   # the tests first
     engines_lane_decode > "$V/logs/lane_decode.txt" 2>&1 &
     local a=$!
@@ -307,7 +352,18 @@ tests_phase() {
     cp "$OUT/tests.log" "$V/tests.log" 2>/dev/null   # $OUT is a new folder each call: later summaries read this copy
 }
 ENGINES_PID=""
-if wants tests; then
+if [ "$DETACH" = 1 ]; then
+    if detached_alive; then
+        echo "verify: the engines are already building in the background (pid $(cat "$V/detached.pid"))"
+    else
+        date +%s > "$V/detached.start"
+        (cd "$REPO" && exec setsid nohup env OUT="$V/out-detached" VERIFY_BACKGROUND=1 nice -n 10 \
+            bash benchmarks/device/verify.sh --phases "$PHASES" --resume --budget "${VERIFY_DETACHED_BUDGET:-1800}" \
+            > "$V/logs/detached.txt" 2>&1 < /dev/null) &
+        echo $! > "$V/detached.pid"
+        echo "verify: phases $PHASES run in the background (pid $!, log $V/logs/detached.txt); later calls wait for them"
+    fi
+elif wants tests; then
     if wants engines; then
         echo "verify: engine builds run beside the tests (CPU work)"
         engines_phase beside > "$V/logs/engines_beside_tests.txt" 2>&1 &
@@ -335,6 +391,7 @@ fi
 # ------------------------------------------------------------------------------------------ figures
 # Each figure beside its peer, in this call, on this card. Raw JSON to $F, named <phase>_<step>.json.
 engine_or_missing() {  # engine_or_missing PHASE STEP ENGINE: true if built, else recorded as missing
+    await_step "engines.$3"
     [ -f "$E/$3/build.json" ] && return 0
     missing "$1" "$2" "engine $3 was not built (see step engines.$3)"
     return 1
@@ -349,6 +406,7 @@ genai() {  # genai PHASE STEP LIMIT ARGS...: ORT GenAI (../shared/peers/ortgenai
         return 1
     fi
     local phase="$1" name="$2" limit="$3"; shift 3
+    await_step engines.genai
     rm -f "$F/${phase}_$name.jsonl"
     step "$phase" "$name" "$limit" python3 "$GENAI" --size 1b --ep cuda --work "$V/genai" \
         --json-out "$F/${phase}_$name.jsonl" "$@"
@@ -381,20 +439,23 @@ if wants prefill; then   # time to first token of a 4k prompt (one layer's atten
         --out "$F/prefill_attention.json"
 fi
 if wants kvquant; then   # decode steps at 8k and 32k context, fp16 / int8 / fp8 KV, paged and dense engines
+    await_step engines.kvquant_paged engines.kvquant_dense
     step kvquant decode 420 python3 "$REPO/benchmarks/quant/kv_quant_bench.py" --skip-ppl "${KV_ARGS[@]}" \
         --out "$F/kvquant_decode.json"
 fi
 if wants http; then      # enginesmith serve over HTTP (bench serve, one client process per 32 streams)
-    for x in fp16 w4a16; do
+    for x in fp16 w4a16; do   # fp16 also with the engine core in its own process (issue 29, goal 1)
         engine_or_missing http "$x" "paged_$x" || continue
-        step http "$x" 300 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers ours \
+        servers=ours; [ "$x" = fp16 ] && servers=ours,core
+        step http "$x" 420 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers "$servers" \
             --requests 64 --concurrency 1,16,64 --out-dir "$F/http_$x"
     done
 fi
 
 # ------------------------------------------------------------------------------------------ summary
-echo "{\"phases\": \"$RUN\", \"budget_s\": $BUDGET, \"seconds\": $SECONDS, \"ended\": \"$(date -u +%FT%TZ)\"}" \
-    >> "$V/state/calls.jsonl"
+[ -n "${VERIFY_BACKGROUND:-}" ] ||   # the detached builds are not a call: their time is inside the calls'
+    echo "{\"phases\": \"$RUN\", \"budget_s\": $BUDGET, \"seconds\": $SECONDS, \"ended\": \"$(date -u +%FT%TZ)\"}" \
+        >> "$V/state/calls.jsonl"
 python3 -P "$REPO/benchmarks/device/summarize.py" --state "$V" --out "$OUT" --gpu "$V/gpu.txt" \
     || echo "verify: summarize.py failed; the raw state is in figures.tar.gz"
 tar czf "$OUT/figures.tar.gz" -C "$V" figures logs state gpu.txt env.sh setup_check.json tests.log 2>/dev/null

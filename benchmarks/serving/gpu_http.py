@@ -1,6 +1,7 @@
 """Issue 19's GPU figures: `enginesmith bench serve` at concurrency 1, 16 and 64 against `enginesmith serve`
 and against a real tritonserver (the nvidia-pytriton wheel's binary) serving the same CUDA paged engine, one
-after the other on one GPU. Each server is started on 127.0.0.1 and stopped by its PID.
+after the other on one GPU. `--servers ours,core` adds `serve --engine-core process` (the batcher in a
+process of its own) beside the default in-process server. Each server is started on 127.0.0.1 and stopped by its PID.
 
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 128 --out-dir $OUT [--servers ours,triton]
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 64,128 \
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--procs", default="auto",
                     help="bench serve's client processes (default auto: one per 32 streams, so 4 at 128; one "
                          "process reads ~25k events/s and must not cap the figure)")
-    ap.add_argument("--servers", default="ours,triton", help="any of ours, replicas, triton")
+    ap.add_argument("--servers", default="ours,triton", help="any of ours, core, replicas, triton")
     ap.add_argument("--devices", default="0,1", help="replicas: the GPUs (serve --devices)")
     ap.add_argument("--out-dir", type=Path, required=True)
     args = ap.parse_args()
@@ -118,6 +119,8 @@ def main() -> None:
             result = triton(args, args.out_dir)
         elif name == "replicas":  # one replica per GPU behind serve's front door
             result = ours(args, args.out_dir, "replicas", ("--devices", args.devices))
+        elif name == "core":  # the BatcherLoop in an engine core process of its own (serve --engine-core process)
+            result = ours(args, args.out_dir, "core", ("--engine-core", "process"))
         else:
             result = ours(args, args.out_dir)
         summary[name] = [{"concurrency": r["concurrency"], "procs": r.get("procs", 1), "tok_s": round(r["tok_s"], 1),

@@ -17,6 +17,8 @@ import random
 import numpy as np
 import pytest
 
+from helpers.external import needs_cuda
+
 from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.block_manager import KVCacheManager
 
@@ -219,20 +221,23 @@ def windowed_engine(ort_ops_lib, tmp_path_factory):
     mp.undo()
 
 
-def test_the_cpu_paged_op_gives_the_same_tokens_with_pages_given_back(windowed_engine):
-    """Greedy tokens of 4 requests (prompts of 5..37 tokens, 40..120 new) through the paged op's CPU
-    kernel: the same with the window's pages given back as with every page kept; a request then holds
-    at most window_pages(16) = 4 pages of 16 instead of up to 8. Gemma 2 as built (a global layer beside
-    the windowed one) frees nothing: kv_window None."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_the_paged_op_gives_the_same_tokens_with_pages_given_back(windowed_engine, device):
+    """Greedy tokens of 4 requests (prompts of 5..37 tokens, 40..120 new) through the paged op (its CPU
+    kernel here, the CUDA kernel and the engine's CUDA graphs on the device): the same with the window's
+    pages given back as with every page kept; a request then holds at most window_pages(16) = 4 pages of
+    16 instead of up to 8. Both runs schedule the same batches, so the GEMMs see the same rows and the
+    tokens must be equal, not just close. Gemma 2 as built (a global layer beside the windowed one) frees
+    nothing: kv_window None."""
     from enginesmith.runtime.paged_cuda import open_paged_engine
 
     mixed, windowed = windowed_engine
-    assert open_paged_engine(mixed, device="cpu", num_pages=40).engine.kv_window is None
+    assert open_paged_engine(mixed, device=device, num_pages=40).engine.kv_window is None
     rng = random.Random(5)
     requests = [([rng.randrange(2, 200) for _ in range(n)], m) for n, m in ((5, 120), (37, 40), (16, 50), (23, 45))]
     outs, most = {}, {}
     for free in (False, True):
-        engine = open_paged_engine(windowed, device="cpu", num_pages=40).engine
+        engine = open_paged_engine(windowed, device=device, num_pages=40).engine
         assert engine.layer_windows == [8, 8] and engine.kv_window == 8
         if not free:
             engine.kv_window = None

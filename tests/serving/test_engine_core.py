@@ -24,6 +24,9 @@ import pytest
 
 from test_serve import KEY, MODEL, PROMPTS, Server, concurrent_answers, engine, oracle, streamed, wait_for  # noqa: F401
 
+from helpers.external import needs_cuda
+from helpers.paged_engine import monkeypatch_module, paged_dir  # noqa: F401  (fixtures)
+
 from enginesmith.runtime.batching import SchedulerConfig
 from enginesmith.serving.core_client import CoreClient
 from enginesmith.serving.engine_core import CoreSpec
@@ -72,10 +75,10 @@ def client(engine):  # noqa: F811
         kill(c.pid)
 
 
-def in_process(engine, prompts, max_new: int) -> list[list[int]]:  # noqa: F811
+def in_process(engine, prompts, max_new: int, device: str = "cpu") -> list[list[int]]:  # noqa: F811
     from enginesmith.runtime.load import open_engine, paged_model
 
-    loaded = open_engine(engine, device="cpu", threads=1)
+    loaded = open_engine(engine, device=device, threads=1 if device == "cpu" else None)
     loop = BatcherLoop(paged_model(loaded, PAGES), SchedulerConfig(max_batch=MAX_BATCH, max_tokens=256, chunk=CHUNK))
     try:
         return [collect(h)[0] for h in [loop.submit(p, max_new) for p in prompts]]
@@ -262,3 +265,41 @@ def test_a_killed_front_end_makes_the_core_free_its_pages_and_exit(engine, tmp_p
         s.stop()
         if pid:
             kill(pid)
+
+
+# ----------------------------------------------------------------------------- on the GPU (device machine)
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_core_process_runs_the_cuda_paged_engine(paged_dir):  # noqa: F811
+    """The core opens the CUDA paged engine (tiny llama, head size 64, fp16) in a process of its own,
+    with its own CUDA context and graphs. Requests sent one at a time get the in-process loop's greedy
+    tokens: one at a time, so both sides run batches of one row and cuBLAS sees the same shapes (batched,
+    only the engine's batch-invariant mode promises equal tokens). Then 40 concurrent requests, half
+    cancelled, leave no page held and nothing in flight."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 49152, int(n)).tolist() for n in rng.integers(1, 60, 6)]
+    c = CoreClient.start(CoreSpec(str(paged_dir), "cuda", max_batch=MAX_BATCH, num_pages=PAGES, chunk=CHUNK),
+                         max_waiting=64, timeout=300)
+    try:
+        got = [collect(c.submit(p, 24), timeout=120) for p in prompts]
+        assert all(end == ("done", "length", None) for _, end in got)
+        assert [tokens for tokens, _ in got] == in_process(paged_dir, prompts, 24, device="cuda")
+        ends: list[tuple] = []
+
+        def one(i: int) -> None:
+            r = np.random.default_rng(i)
+            handle = c.submit(r.integers(0, 49152, int(r.integers(1, 60))).tolist(), int(r.integers(1, 40)))
+            if r.random() < 0.5:
+                time.sleep(float(r.uniform(0, 0.05)))
+                c.cancel(handle.request_id, stopped=bool(r.random() < 0.3))
+            ends.append(collect(handle, timeout=120)[1])
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(40), timeout=300))
+        assert len(ends) == 40 and all(end[0] == "done" for end in ends), ends
+        stats = wait_for(lambda: (s := c.stats()).running == 0 and s.waiting == 0 and s, timeout=60)
+        assert stats and stats.pages_used == 0 and c.in_flight == 0
+    finally:
+        c.close()
+        kill(c.pid)

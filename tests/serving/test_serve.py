@@ -471,7 +471,9 @@ def test_gpu_paged_engine_serves_concurrent_clients_as_alone(ort_ops_lib, tmp_pa
     src = cached_engine(BuildConfig(model="tiny:llama-hd64", dtype="fp16"), progress=False)
     paged = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=256, kv_layout="paged", page_size=16,
                               max_batch=32), tmp_path / "engine", source=src, progress=False)
-    server = Server(tmp_path, paged, "--device", "cuda", "--model-name", MODEL,
+    # a fixed pool: a share of the GPU's memory is what other test processes leave (H200, the engine of the
+    # pool-sizing test still held: "the KV pool would have -53885 pages")
+    server = Server(tmp_path, paged, "--device", "cuda", "--model-name", MODEL, "--num-pages", "512",
                     env={"ENGINESMITH_ORT_OPS_LIB": str(ort_ops_lib)}).wait_ready(timeout=300)
     try:
         def ask(i: int):

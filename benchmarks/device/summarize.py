@@ -133,7 +133,9 @@ def figures(state: Path, steps: dict) -> list[dict]:
     for k in ("fp16", "w4a16"):
         runs = {r["concurrency"]: r for f in (f"serving_{k}_c1", f"serving_{k}")
                 for r in (_load(fig / f"{f}.json") or {}).get("runs", [])}
-        http = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_ours.json") or {}).get("runs", [])}
+        # the engine core in a thread of the server (runs before session 16 named it "ours": then the default)
+        thread = _load(fig / f"http_{k}" / "bench_serve_thread.json") or _load(fig / f"http_{k}" / "bench_serve_ours.json")
+        http = {r["concurrency"]: r for r in (thread or {}).get("runs", [])}
         core = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_core.json") or {}).get("runs", [])}
         for c in (1, 16, 64):
             r = runs.get(c, {})
@@ -142,8 +144,8 @@ def figures(state: Path, steps: dict) -> list[dict]:
             row(f"offline {k} concurrency {c} (bench --requests)", f"serving.{k}" + ("_c1" if c == 1 else ""),
                 r.get("tok_s"), runs.get(1, {}).get("tok_s") if c > 1 else None,
                 f"offline {k} at 1" if c > 1 else None, note=note)
-            for label, got in (("", http), (" (engine core process)", core)):
-                if label and not core:
+            for label, got in ((" (engine core thread)", http), (" (engine core process)", core)):
+                if not got and (http or core):
                     continue
                 h = got.get(c, {})
                 row(f"serve over HTTP {k}{label} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),

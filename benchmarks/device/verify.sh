@@ -444,9 +444,9 @@ if wants kvquant; then   # decode steps at 8k and 32k context, fp16 / int8 / fp8
         --out "$F/kvquant_decode.json"
 fi
 if wants http; then      # enginesmith serve over HTTP (bench serve, one client process per 32 streams)
-    for x in fp16 w4a16; do   # fp16 also with the engine core in its own process (issue 29, goal 1)
+    for x in fp16 w4a16; do   # the engine core in a process of its own (serve's default on a GPU); fp16 also in a thread
         engine_or_missing http "$x" "paged_$x" || continue
-        servers=ours; [ "$x" = fp16 ] && servers=ours,core
+        servers=core; [ "$x" = fp16 ] && servers=core,thread
         step http "$x" 420 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers "$servers" \
             --requests 64 --concurrency 1,16,64 --out-dir "$F/http_$x"
     done

@@ -1,7 +1,8 @@
 """Issue 19's GPU figures: `enginesmith bench serve` at concurrency 1, 16 and 64 against `enginesmith serve`
 and against a real tritonserver (the nvidia-pytriton wheel's binary) serving the same CUDA paged engine, one
-after the other on one GPU. `--servers ours,core` adds `serve --engine-core process` (the batcher in a
-process of its own) beside the default in-process server. Each server is started on 127.0.0.1 and stopped by its PID.
+after the other on one GPU. `ours` is `serve` as a user starts it (on a GPU its engine core runs in a process
+of its own, --engine-core auto); `core` and `thread` name the engine core's place explicitly
+(`serve --engine-core process | thread`). Each server is started on 127.0.0.1 and stopped by its PID.
 
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 128 --out-dir $OUT [--servers ours,triton]
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 64,128 \
@@ -108,7 +109,7 @@ def main() -> None:
     ap.add_argument("--procs", default="auto",
                     help="bench serve's client processes (default auto: one per 32 streams, so 4 at 128; one "
                          "process reads ~25k events/s and must not cap the figure)")
-    ap.add_argument("--servers", default="ours,triton", help="any of ours, core, replicas, triton")
+    ap.add_argument("--servers", default="ours,triton", help="any of ours, core, thread, replicas, triton")
     ap.add_argument("--devices", default="0,1", help="replicas: the GPUs (serve --devices)")
     ap.add_argument("--out-dir", type=Path, required=True)
     args = ap.parse_args()
@@ -121,6 +122,8 @@ def main() -> None:
             result = ours(args, args.out_dir, "replicas", ("--devices", args.devices))
         elif name == "core":  # the BatcherLoop in an engine core process of its own (serve --engine-core process)
             result = ours(args, args.out_dir, "core", ("--engine-core", "process"))
+        elif name == "thread":  # the BatcherLoop in a thread of the server process (serve --engine-core thread)
+            result = ours(args, args.out_dir, "thread", ("--engine-core", "thread"))
         else:
             result = ours(args, args.out_dir)
         summary[name] = [{"concurrency": r["concurrency"], "procs": r.get("procs", 1), "tok_s": round(r["tok_s"], 1),

@@ -2,14 +2,15 @@
 
     enginesmith serve --engine DIR | --model SPEC [--device auto|cpu|cuda] [--host 127.0.0.1] [--port 8000]
                       [--max-batch N] [--num-pages K] [--max-waiting N] [--api-key KEY] [--model-name NAME]
-                      [--devices 0,1 | --replicas N] [--door-workers N] [--engine-core thread|process]
+                      [--devices 0,1 | --replicas N] [--door-workers N] [--engine-core auto|thread|process]
 
     open the engine (runtime.load) ─▶ its PagedModel ─▶ one BatcherLoop (serving/loop.py) ─▶ the ASGI app
     ─▶ uvicorn; one line on stdout once it listens: "enginesmith serve: http://HOST:PORT ..."
 
-With --engine-core process the BatcherLoop runs in a child process that does nothing else
-(serving/engine_core.py); this process keeps HTTP, chat templates, tokenization, detokenization and
-stop strings, and talks to it through serving/core_client.py. A core that dies stops the server
+With --engine-core process (the default on a GPU: --engine-core auto) the BatcherLoop runs in a
+child process that does nothing else (serving/engine_core.py); this process keeps HTTP, chat
+templates, tokenization, detokenization and stop strings, and talks to it through
+serving/core_client.py. A core that dies stops the server
 with one line and exit status 1; the core exits (its requests' pages freed) when this process dies.
 
 With --devices 0,1 (or --replicas N on one device) this process is a front door instead
@@ -113,11 +114,12 @@ def add_parser(verbs) -> None:
     s.add_argument("--num-pages", type=int, default=None, metavar="K",
                    help="KV pages in the pool (default: what 1 GiB holds on the CPU; --gpu-memory-utilization of "
                         "the GPU for a --for-cuda engine)")
-    s.add_argument("--engine-core", choices=("thread", "process"), default="thread",
-                   help="where the scheduler and the engine steps run: thread (default), a thread of the server "
-                        "process; process, a child process that does nothing else, so HTTP, tokenization and "
-                        "detokenization do not share its GIL. thread stays the default until a GPU measurement "
-                        "shows the process wins (docs/results.md, Session 15)")
+    s.add_argument("--engine-core", choices=("auto", "thread", "process"), default="auto",
+                   help="where the scheduler and the engine steps run: thread, a thread of the server process; "
+                        "process, a child process that does nothing else, so HTTP, tokenization and "
+                        "detokenization do not share its GIL; auto (default): process on a GPU, thread on the "
+                        "CPU, as measured (docs/results.md, Session 16: on an H200 the process kept 0.87 of the "
+                        "offline tok/s at 64 streams, the thread 0.55; on a 2-core CPU the thread was faster)")
     s.add_argument("--chunk", type=int, default=None,
                    help=f"prompt tokens per row per step (default {CHUNK}, at most what the engine's attention takes)")
     p.set_defaults(func=cmd_serve)
@@ -226,7 +228,7 @@ def cmd_serve(args) -> int:
     if devices is not None or args.replicas > 1:
         return _serve_replicas(args, device, devices, config, api_key)
     watch_front_door()  # a replica of a front door: drain once that is gone
-    if args.engine_core == "process":
+    if engine_core(args.engine_core, device) == "process":
         return _serve_core_process(args, device, config, api_key)
     args.batch = args.max_batch  # a --for-cuda paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args, config)
@@ -242,6 +244,15 @@ def cmd_serve(args) -> int:
                       f"of {model.page_size} tokens{', API key required' if api_key else ''}")
     finally:
         loop.close()
+
+
+def engine_core(choice: str, device: str) -> str:
+    """--engine-core auto: the engine core in a process of its own on a GPU, where the engine's steps are
+    fast enough for the front end's work under the same GIL to cost throughput; a thread of the server on
+    the CPU, where the engine is the bottleneck and a second process only competes for the cores."""
+    if choice != "auto":
+        return choice
+    return "process" if device == "cuda" else "thread"
 
 
 def _serve_core_process(args, device: str, config: BuildConfig | None, api_key: str | None) -> int:

@@ -303,3 +303,10 @@ def test_gpu_the_core_process_runs_the_cuda_paged_engine(paged_dir):  # noqa: F8
     finally:
         c.close()
         kill(c.pid)
+
+
+def test_auto_puts_the_core_in_a_process_on_a_gpu_and_in_a_thread_on_the_cpu():
+    from enginesmith.cli.serve import engine_core
+
+    assert engine_core("auto", "cuda") == "process" and engine_core("auto", "cpu") == "thread"
+    assert engine_core("thread", "cuda") == "thread" and engine_core("process", "cpu") == "process"

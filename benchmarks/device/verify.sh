@@ -315,9 +315,19 @@ engines_lane_serving() {
     fi
 }
 KV_ARGS=(--speed-model "$MODEL" --contexts 8192 32768 --batches 1 --steps 30 --calib-samples 8)
+export ENGINESMITH_KV_CALIB_DEVICE=cuda   # int8/fp8 KV engines calibrate through the CUDA kernels (kv_calibrate.py)
 engines_lane_kvquant() {  # the engines kv_quant_bench.py builds for KV_ARGS (capacity = 32768 + 30 + 64):
-                          # fp16, int8 and fp8 KV (the last two calibrated), one process per layout
-    local layout pids=()
+                          # fp16, int8 and fp8 KV (the last two calibrated on the GPU), one process per layout
+    local layout pids=() t=0
+    # the KV bounds are collected through the ops' CUDA kernels (their CPU references take minutes a window
+    # on a 1B model): wait for the staged onnxruntime-gpu when this runs detached during the staging
+    while ! python3 -P -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null \
+            && [ "$t" -lt 600 ]; do sleep 10; t=$((t + 10)); done
+    # the calibration text (the Austen corpus), staged after a detached start may have begun
+    if [ -z "${ENGINESMITH_JANEAUSTENR:-}" ] && [ -f /tmp/stage/files/janeaustenr.tar.gz ]; then
+        [ -d "$V/janeaustenr/data" ] || tar xzf /tmp/stage/files/janeaustenr.tar.gz -C "$V"
+        export ENGINESMITH_JANEAUSTENR="$V/janeaustenr"
+    fi
     for layout in paged dense; do
         step engines "kvquant_$layout" 900 python3 -P -c "import sys; sys.path.insert(0, '$REPO/benchmarks/quant')
 import kv_quant_bench as k; print(k.engines('$MODEL', 32768 + 30 + 64, 8, '$layout'))" &

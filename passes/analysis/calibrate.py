@@ -125,9 +125,11 @@ def collect(onnx_path: str | os.PathLike, names: list[str], calib: CalibrationSe
     return {n: cached[n] for n in names}
 
 
-def open_session(onnx_path: Path, names: list[str], elem_type: int | None = None, ops_lib: Path | None = None):
-    """An ORT CPU session of the graph with the tensors `names` exposed as extra outputs (of ONNX type
-    `elem_type`, default FLOAT), with enginesmith's ORT ops registered when `ops_lib` is given."""
+def open_session(onnx_path: Path, names: list[str], elem_type: int | None = None, ops_lib: Path | None = None,
+                 device: str = "cpu"):
+    """An ORT session (the CPU, or with device "cuda" ORT's CUDA provider first) of the graph with the
+    tensors `names` exposed as extra outputs (of ONNX type `elem_type`, default FLOAT), with enginesmith's
+    ORT ops registered when `ops_lib` is given."""
     import onnx  # deferred: heavy, only when statistics are not cached
     import onnxruntime as ort  # deferred: heavy, only when statistics are not cached
 
@@ -146,9 +148,14 @@ def open_session(onnx_path: Path, names: list[str], elem_type: int | None = None
         opts.log_severity_level = 3
         if ops_lib is not None:
             opts.register_custom_ops_library(str(ops_lib))
-        session = ort.InferenceSession(tmp, opts, providers=["CPUExecutionProvider"])
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        session = ort.InferenceSession(tmp, opts, providers=providers)
     finally:
         os.unlink(tmp)
+    if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise UserError(f"calibration on cuda: ONNX Runtime {ort.__version__} has no CUDA provider here "
+                        f"(it has {', '.join(ort.get_available_providers())})",
+                        "install onnxruntime-gpu on a machine with an NVIDIA GPU, or calibrate on the cpu")
     return session
 
 

@@ -1,6 +1,7 @@
 """KV-cache scales: static per (layer, KV head, channel) scales of quantized KV pages, calibrated by
 running the graph the paged lowering starts from (com.enginesmith.GroupQueryAttention over shared
-KV buffers, ort_attention's output) on calibration text through the ORT ops' CPU kernels.
+KV buffers, ort_attention's output) on calibration text through the ORT ops' CPU kernels (or their CUDA
+kernels: ENGINESMITH_KV_CALIB_DEVICE=cuda, see calib_device).
 
 Dimension legend: N calibration windows, S tokens per window, H query heads, Hkv KV heads, D head
 size (h = D / 2), C the graph's KV capacity.
@@ -113,11 +114,23 @@ def attention_scales(who: str, nodes: list, kv_dtype: str, windows: int, ctx, ca
     return [scales(b, kv_dtype) for b in bounds]
 
 
+def calib_device() -> str:
+    """Where the KV bounds are collected: $ENGINESMITH_KV_CALIB_DEVICE, cpu (default) or cuda. The graph
+    has been lowered for CUDA by then (GEMVs and attention are enginesmith's ops), and the CPU kernels of
+    those ops are the scalar references: a 1B model's window of calibration tokens takes minutes there
+    (none of 8 windows finished in 400 s on a 16-core machine), and about a second through the CUDA
+    kernels. The bounds agree to fp16 rounding; the cached ones are reused whichever device made them."""
+    device = os.environ.get("ENGINESMITH_KV_CALIB_DEVICE", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"ENGINESMITH_KV_CALIB_DEVICE={device!r} is not a device", "set it to cpu or cuda")
+    return device
+
+
 def _run(onnx_path: Path, names: list[str], windows: np.ndarray, ops_lib: Path, progress: bool):
     """Yield the tensors `names` for each window, each run from an empty cache (rows of one window)."""
     import onnx  # deferred: heavy, only when the bounds are not cached
 
-    session = open_session(onnx_path, names, onnx.TensorProto.FLOAT16, ops_lib)
+    session = open_session(onnx_path, names, onnx.TensorProto.FLOAT16, ops_lib, device=calib_device())
     inputs = {i.name: i for i in session.get_inputs()}
     if SEQLENS not in inputs or TOTAL not in inputs:
         raise UserError(f"{onnx_path} has no {SEQLENS} / {TOTAL} inputs: KV scales are calibrated on the "
@@ -135,4 +148,4 @@ def _run(onnx_path: Path, names: list[str], windows: np.ndarray, ops_lib: Path, 
         yield session.run(names, feeds)
 
 
-__all__ = ["CODE_MAX", "HEADROOM", "KvBounds", "bounds_of", "collect", "scales"]
+__all__ = ["CODE_MAX", "HEADROOM", "KvBounds", "bounds_of", "calib_device", "collect", "scales"]

@@ -1,4 +1,7 @@
-"""Every registered pass, and pipeline steps from text: `smoothquant:alpha=0.5,quantize_w8a8`.
+"""Every registered pass, and pipeline steps: typed values from code, or text from the user.
+
+    typed_step("kv_ring", sinks=4, window=1020)         # a pipeline code builds: values of the fields' types
+    parse_pipeline("smoothquant:alpha=0.5,quantize_w8a8")  # --passes text: parsed through the fields' types
 
 `passes()` imports every module of the pass folders, so a new pass module registers itself by being
 there; the text syntax is machinery/registry.py's module doc.
@@ -49,21 +52,41 @@ def _convert(pass_name: str, key: str, text: str, kind) -> Any:
                         f"give {key} a {kind.__name__} value") from None
 
 
-def make_step(name: str, params: dict[str, str] | None = None) -> Step:
-    """A Step from a pass name and textual parameters (validated by the params dataclass)."""
+def _params_of(name: str, keys) -> tuple[type, dict[str, type]]:
+    """The params dataclass of pass `name` and its fields' types, after checking `keys` are fields of it."""
     table = passes()
     if name not in table:
         raise UserError(f"unknown pass {name!r}", f"use one of: {', '.join(sorted(table))}")
     cls = table[name].params
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
-    values = {}
-    for key, text in (params or {}).items():
+    for key in keys:
         if key not in fields:
             raise UserError(f"pass {name!r} has no parameter {key!r}",
                             f"its parameters are: {', '.join(sorted(fields)) or 'none'}")
-        values[key] = _convert(name, key, text, hints[key])
-    return Step(name, cls(**values))
+    return cls, hints
+
+
+def make_step(name: str, params: dict[str, str] | None = None) -> Step:
+    """A Step from a pass name and textual parameters (validated by the params dataclass)."""
+    cls, hints = _params_of(name, params or {})
+    return Step(name, cls(**{key: _convert(name, key, text, hints[key]) for key, text in (params or {}).items()}))
+
+
+def typed_step(name: str, **values: Any) -> Step:
+    """A Step from a pass name and parameter values of its params dataclass's field types, with no text
+    between (a pipeline written in code). An int stands for a float (as 1 does for 1.0 in text); a bool
+    is not an int, and a str is not a number: a value of another type is a TypeError, naming the field."""
+    cls, hints = _params_of(name, values)
+    checked = {}
+    for key, value in values.items():
+        kind = hints[key]
+        if kind is float and type(value) is int:
+            value = float(value)
+        if type(value) is not kind:
+            raise TypeError(f"pass {name!r}: {key} is of type {kind.__name__}, got {value!r} ({type(value).__name__})")
+        checked[key] = value
+    return Step(name, cls(**checked))
 
 
 def parse_pipeline(text: str) -> list[Step]:

@@ -1,11 +1,11 @@
-"""Pass names, typed parameters, pipeline text and presets (no graphs needed)."""
+"""Pass names, typed parameters, typed steps, pipeline text and presets (no graphs needed)."""
 
 from __future__ import annotations
 
 import pytest
 
 from enginesmith.core.errors import UserError
-from enginesmith.passes import PRESETS, build_pipeline, parse_pipeline, passes, preset_steps
+from enginesmith.passes import PRESETS, build_pipeline, parse_pipeline, passes, preset_steps, typed_step
 from enginesmith.passes.manager.steps import calibrated_steps
 
 
@@ -43,6 +43,33 @@ def test_bad_pipelines_are_user_errors(text, words):
     with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")) as err:
         parse_pipeline(text)
     assert err.value.fix  # every error says what to do
+
+
+def test_typed_steps_are_the_steps_their_text_would_be():
+    """A step built in code from typed values equals the one parsed from its text, field types too."""
+    for step, text in ((typed_step("kv_ring", sinks=0, window=64), "kv_ring:sinks=0,window=64"),
+                       (typed_step("smoothquant", alpha=1, search=False), "smoothquant:alpha=1.0"),
+                       (typed_step("quantize_w4a16", block_size=64, include_lm_head=True),
+                        "quantize_w4a16:block_size=64,include_lm_head=true"),
+                       (typed_step("matmul_transb"), "matmul_transb")):
+        assert step.spec() == text and [step] == parse_pipeline(text)
+        assert {k: type(v) for k, v in vars(step.params).items()} == \
+            {k: type(v) for k, v in vars(parse_pipeline(text)[0].params).items()}
+    assert type(typed_step("smoothquant", alpha=1).params.alpha) is float  # an int stands for a float
+
+
+@pytest.mark.parametrize("name, values, error, words", [
+    ("kv_ring", dict(window="64"), TypeError, r"window is of type int, got '64' \(str\)"),
+    ("kv_ring", dict(sinks=True), TypeError, r"sinks is of type int, got True \(bool\)"),
+    ("smoothquant", dict(search=1), TypeError, r"search is of type bool, got 1 \(int\)"),
+    ("smoothquant", dict(alpha="0.5"), TypeError, r"alpha is of type float, got '0.5' \(str\)"),
+    ("kv_ring", dict(sinkz=4), UserError, "no parameter 'sinkz'"),
+    ("kv_rings", dict(), UserError, "unknown pass 'kv_rings'"),
+    ("smoothquant", dict(alpha=1.5), UserError, r"outside \[0, 1\]"),  # the params' own checks still run
+])
+def test_typed_steps_refuse_unknown_fields_and_other_types(name, values, error, words):
+    with pytest.raises(error, match=words):
+        typed_step(name, **values)
 
 
 def test_presets_and_build_pipeline():

@@ -14,7 +14,8 @@ import json
 import pytest
 
 from enginesmith.builder.config import BuildConfig, key_fields
-from enginesmith.builder.engine import _calibration_note, _cuda_kv_layout, _kv_layout, steps
+from enginesmith.builder.manifest import calibration_note, cuda_kv_layout, kv_layout
+from enginesmith.builder.pipeline import steps
 from enginesmith.passes import parse_pipeline
 from enginesmith.plugins import ort_ops
 
@@ -198,6 +199,21 @@ def test_cuda_pipelines_are_pinned(fields, max_positions, unfused, ops_built, sp
     _same_as_text(pass_steps)
 
 
+@pytest.mark.parametrize("fields", [dict(kv_layout="ring", kv_sinks=2, kv_window=62), dict(kv_layout="h2o"),
+                                    dict(kv_layout="paged"), dict(target="trt", kv_layout="paged"),
+                                    dict(C, custom_ops=True, custom_attention=True, kv_dtype="int8", capacity=64),
+                                    dict(C, quant="w4a16-rtn", quantize_lm_head=True, kv_layout="paged")])
+def test_the_builders_own_steps_are_built_typed_not_parsed(fields, monkeypatch):
+    """No text between the BuildConfig and its steps (only --passes and the presets' table are text)."""
+    from enginesmith.passes.manager import steps as step_text
+
+    def no_text(*args):
+        raise AssertionError(f"a step parameter went through text: {args}")
+
+    monkeypatch.setattr(step_text, "_convert", no_text)
+    assert steps(BuildConfig(**fields), 512)
+
+
 def test_a_cuda_pipeline_needs_a_capacity():
     with pytest.raises(ValueError, match="KV capacity"):
         steps(BuildConfig(target="ort-cuda", dtype="fp16", custom_ops=False))
@@ -282,12 +298,12 @@ KV = [
      None),
 ]
 
-@pytest.mark.parametrize("fields, kv_layout, calibration", KV)
-def test_build_records_are_pinned(fields, kv_layout, calibration):
+@pytest.mark.parametrize("fields, record, calibration", KV)
+def test_build_records_are_pinned(fields, record, calibration):
     config = BuildConfig(**fields)
-    assert _kv_layout(config, 2048) == kv_layout
-    assert list(_kv_layout(config, 2048)) == list(kv_layout)  # build.json keeps the order
-    assert _calibration_note(config, steps(config)) == calibration
+    assert kv_layout(config, 2048) == record
+    assert list(kv_layout(config, 2048)) == list(record)  # build.json keeps the order
+    assert calibration_note(config, steps(config)) == calibration
 
 
 # build.json of an ort-cuda lowering: (BuildConfig fields, the model's context, kv_layout)
@@ -328,8 +344,8 @@ CUDA_KV = [
      {"type": "paged", "io": "paged-gqa", "page_size": 16, "capacity": 512, "max_batch": 64}),
 ]
 
-@pytest.mark.parametrize("fields, max_positions, kv_layout", CUDA_KV)
-def test_lowered_records_are_pinned(fields, max_positions, kv_layout):
+@pytest.mark.parametrize("fields, max_positions, record", CUDA_KV)
+def test_lowered_records_are_pinned(fields, max_positions, record):
     config = BuildConfig(**fields)
-    record = _cuda_kv_layout(config, config.capacity or max_positions)
-    assert record == kv_layout and list(record) == list(kv_layout)
+    ours = cuda_kv_layout(config, config.capacity or max_positions)
+    assert ours == record and list(ours) == list(record)

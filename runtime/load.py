@@ -18,13 +18,13 @@ from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import Manifest
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.core.io_names import GQA_IO, PAGED_GQA_IO
-from enginesmith.runtime.ort_cuda import kv_rows, open_gqa_engine
-from enginesmith.runtime.kv_paged import OrtPagedModel
-from enginesmith.runtime.ort_engine import OrtEngine, resolve_device
-from enginesmith.runtime.paged_cuda import open_paged_engine
+from enginesmith.runtime.engines.ort_cuda import kv_rows, open_gqa_engine
+from enginesmith.runtime.kv.kv_paged import OrtPagedModel
+from enginesmith.runtime.engines.ort_engine import OrtEngine, resolve_device
+from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 from enginesmith.runtime.protocols import LoadedEngine
-from enginesmith.runtime.tokenizer import Tokenizer
-from enginesmith.runtime.trt_engine import open_trt_engine
+from enginesmith.runtime.text.tokenizer import Tokenizer
+from enginesmith.runtime.engines.trt_engine import open_trt_engine
 
 
 # Every exception type ONNX Runtime's binding raises (all plain Exception subclasses).

@@ -126,7 +126,7 @@ ABLATIONS = ("nonorm", "noattn")  # *ops variants without one of the ops' fusion
 def llama1b(graphs: Path, bandwidth: float | None, new_tokens: int, reps: int,
             variants: tuple[str, ...] = LLAMA_VARIANTS, quick: bool = False) -> dict:
     from enginesmith.measure.speed import onnx_weight_bytes
-    from enginesmith.runtime.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
 
     out = {}
     for name in variants:
@@ -170,7 +170,7 @@ def llama1b_again(graphs: Path, bandwidth: float | None, new_tokens: int, reps: 
     """Ours again, right after GenAI, batch 1 with CUDA graphs: the peer comparison brackets GenAI's
     run by ours before and after it (the machines drift by a few percent within a session)."""
     from enginesmith.measure.speed import onnx_weight_bytes
-    from enginesmith.runtime.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
 
     out = {}
     for name in ("fp16", "fp16ops", "w4a16lm", "w4a16lmops"):
@@ -284,8 +284,8 @@ def with_ops(path: Path, norm: bool = True, attention: bool = True) -> dict:
 @section("smollm2")
 def smollm2(work: Path, bandwidth: float | None) -> dict:
     from enginesmith.measure.speed import bench_engine, onnx_weight_bytes
-    from enginesmith.runtime.ort_cuda import GqaEngine
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src = work / "smollm2_fp16"
     out = {}

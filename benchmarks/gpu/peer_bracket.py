@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     from benchmarks.gpu import skeleton
     from benchmarks.gpu.bench_gpu import _free, ours
-    from enginesmith.runtime.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
 
     work = args.work / "genai"
     work.mkdir(parents=True, exist_ok=True)

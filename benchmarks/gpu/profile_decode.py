@@ -70,8 +70,8 @@ def _per_step(long: dict, short: dict, steps: int) -> list[dict]:
 
 def one(path: Path, options: dict, new_tokens: int, reps: int) -> dict:
     sys.path.append(str(ROOT))
-    from enginesmith.runtime.generate import GenerationConfig
-    from enginesmith.runtime.ort_cuda import GqaEngine, fast_generate_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine, fast_generate_ids
 
     from benchmarks.gpu.bench_gpu import ours
 

@@ -24,8 +24,8 @@ def prepare() -> None:
     import shutil
 
     from enginesmith.builder.engine import BuildConfig, build, cached_engine
-    from enginesmith.runtime.generate import GenerationConfig
-    from enginesmith.runtime.ort_cuda import GqaEngine, fast_generate_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine, fast_generate_ids
 
     refs = {}
     for dtype in ("fp32", "fp16"):
@@ -48,9 +48,9 @@ def run(out: Path, tiny_only: bool = False) -> None:
     from benchmarks.gpu import skeleton
     from benchmarks.gpu.bench_gpu import bound, ours
     from enginesmith.measure.speed import measure_copy_bandwidth, onnx_weight_bytes
-    from enginesmith.runtime import speculative as sp
-    from enginesmith.runtime.generate import GenerationConfig
-    from enginesmith.runtime.ort_cuda import GqaEngine, fast_generate_ids
+    from enginesmith.runtime.decoding import speculative as sp
+    from enginesmith.runtime.decoding.generate import GenerationConfig
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine, fast_generate_ids
 
     result: dict = {"gpu": torch.cuda.get_device_name(0), "ort": ort.__version__,
                     "providers": ort.get_available_providers()}

@@ -1,6 +1,6 @@
 """KV pages per request at 8k context, before and after sliding-window layers free their pages
 (issue 29 goal 4). A count on the CPU, not a GPU measurement: the runtime's own scheduler and block
-manager (runtime/batching.py, runtime/block_manager.py) run one request to the context with a stub
+manager (runtime/decoding/batching.py, runtime/kv/block_manager.py) run one request to the context with a stub
 model (the page count depends only on the positions scheduled, not on the logits), at the paged
 engine's page size (16) and chunk (the paged op's max_query_len, plugins/limits.json).
 
@@ -19,7 +19,7 @@ import argparse
 import json
 
 from enginesmith.plugins.limits import limits
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
 
 PAGE = 16
 MODELS = {  # name: (window, windowed layers, layers, KV heads, head size)  (their HF configs)

@@ -140,7 +140,7 @@ def main() -> None:
     from enginesmith.models.corpus import austen_text, tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.passes import build_pipeline, calibration_set, run_pipeline
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src = exported("fp32")
     tokenizer = load_tokenizer(resolve(None))

@@ -59,7 +59,7 @@ def main() -> None:
     from enginesmith.models.corpus import tokenize
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.core.paths import cache_dir
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     sys.path.insert(0, str(HERE))
     from ppl_table import exported, size_of

@@ -70,7 +70,7 @@ def decode_speed(path: Path, device: str, context: int, batch: int, steps: int) 
     """Median decode step time (ms) of `batch` rows at `context` tokens each, through the CUDA graph."""
     import torch
 
-    from enginesmith.runtime.paged_cuda import open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
     pages_per_row = -(-(context + steps + 2) // PAGE)
     engine = open_paged_engine(path, device=device, max_batch=batch, num_pages=1 + batch * pages_per_row).engine
@@ -104,7 +104,7 @@ def dense_decode_speed(path: Path, device: str, context: int, batch: int, steps:
     """Median decode step time (ms) of the dense engine, `batch` rows at `context` tokens each."""
     import torch
 
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     engine = open_gqa_engine(path, device=device, max_batch=batch, capacity=capacity).engine
     cache = engine.new_cache(batch)
@@ -135,7 +135,7 @@ def dense_perplexity(path: Path, device: str, windows: int, window: int = 1024) 
     from transformers import AutoTokenizer
 
     from enginesmith.models.corpus import austen_text, tokenize
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     tokens = tokenize(AutoTokenizer.from_pretrained(str(path / "tokenizer")), austen_text("prideprejudice"),
                       max_tokens=windows * window)
@@ -157,7 +157,7 @@ def perplexity(path: Path, device: str, windows: int, window: int = 1024) -> dic
     from transformers import AutoTokenizer
 
     from enginesmith.models.corpus import austen_text, tokenize
-    from enginesmith.runtime.paged_cuda import open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
     tokens = tokenize(AutoTokenizer.from_pretrained(str(path / "tokenizer")), austen_text("prideprejudice"),
                       max_tokens=windows * window)

@@ -94,7 +94,7 @@ def main() -> None:
     from enginesmith.models.load import load_tokenizer, resolve
     from enginesmith.passes import build_pipeline, calibration_set, run_pipeline
     from enginesmith.core.paths import cache_dir
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src, fp16 = exported("fp32"), exported("fp16")
     tokenizer = load_tokenizer(resolve(None))

@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig  # noqa: E402
-from enginesmith.runtime.sampling import SamplingParams  # noqa: E402
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig  # noqa: E402
+from enginesmith.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 
 def make_model(args):

@@ -41,7 +41,7 @@ from pathlib import Path
 import uvicorn
 
 from enginesmith.builder.engine import BuildConfig, cached_engine
-from enginesmith.runtime.batching import SchedulerConfig
+from enginesmith.runtime.decoding.batching import SchedulerConfig
 from enginesmith.runtime.load import open_engine
 from enginesmith.serving.loop import BatcherLoop
 from enginesmith.serving.openai_api import make_app
@@ -51,7 +51,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 class FakePagedModel:
-    """A PagedModel (runtime/batching.py) without a model: `run` sleeps `step_s` and returns one word id
+    """A PagedModel (runtime/decoding/batching.py) without a model: `run` sleeps `step_s` and returns one word id
     per pick, a function of (the request's seed, the token's index)."""
 
     max_chunk = None

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.paged_cuda import PagedCudaEngine, open_paged_engine
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.engines.paged_cuda import PagedCudaEngine, open_paged_engine
 
 
 def _prefilled(engine, batch: int, prompt: int, new: int, async_steps: bool | None = None) -> ContinuousBatcher:

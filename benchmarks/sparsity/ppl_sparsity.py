@@ -52,7 +52,7 @@ def main() -> None:
     from enginesmith.passes import calibration_set, run_pipeline
     from enginesmith.passes.quant.sparsify import SparsifyParams, sparsify
     from enginesmith.core.paths import cache_dir
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src = exported_fp32()
     tokenizer = load_tokenizer(resolve(None))

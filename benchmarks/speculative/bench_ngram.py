@@ -38,7 +38,7 @@ def typos(text: str, rate: float = 0.08, seed: int = 0) -> str:
 
 
 def prompts(tokenizer, limit: int | None = None) -> list[tuple[str, list[int]]]:
-    from enginesmith.runtime.chat import encode_prompt
+    from enginesmith.runtime.text.chat import encode_prompt
 
     passages = json.loads((HERE / "passages.json").read_text())["passages"][:limit]
     out = []
@@ -62,12 +62,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args(argv)
 
-    from enginesmith.runtime import speculative as sp
-    from enginesmith.runtime.chat import stop_token_ids
-    from enginesmith.runtime.generate import GenerationConfig, generate_ids
+    from enginesmith.runtime.decoding import speculative as sp
+    from enginesmith.runtime.text.chat import stop_token_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 
     if args.device == "cuda":
-        from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+        from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
         loaded = open_gqa_engine(args.engine, device="cuda", capacity=2048)
         plain_ids = fast_generate_ids

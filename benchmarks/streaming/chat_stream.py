@@ -3,7 +3,7 @@
     python benchmarks/streaming/chat_stream.py --tokens 50000 --device cuda --out DIR
     python benchmarks/streaming/chat_stream.py --model tiny:llama --tokens 800 --sinks 2 --kv-window 30 --out DIR
 
-The session is runtime.ring_chat.ChatSession (what `enginesmith chat --kv ring` runs): user turns
+The session is runtime.decoding.ring_chat.ChatSession (what `enginesmith chat --kv ring` runs): user turns
 from a fixed rotation, replies sampled (seeded) up to --turn-tokens each, one cache for the whole
 session, no history kept. Every --every generated tokens it records the process RSS (VmRSS), the
 ring cache's bytes and, on CUDA, this process's GPU memory (nvidia-smi). Writes chat_stream.json
@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 from enginesmith.measure.speed import rss_mib  # noqa: E402
-from enginesmith.runtime.chat import stop_token_ids  # noqa: E402
-from enginesmith.runtime.generate import GenerationConfig  # noqa: E402
-from enginesmith.runtime.ring_chat import ChatSession  # noqa: E402
-from enginesmith.runtime.sampling import SamplingParams  # noqa: E402
+from enginesmith.runtime.text.chat import stop_token_ids  # noqa: E402
+from enginesmith.runtime.decoding.generate import GenerationConfig  # noqa: E402
+from enginesmith.runtime.decoding.ring_chat import ChatSession  # noqa: E402
+from enginesmith.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 TURNS = ["Tell me a long story about a lighthouse keeper.", "Go on, what happened next?",
          "Describe the town near the lighthouse in detail.", "Continue the story.",

@@ -44,7 +44,7 @@ def run(args) -> None:
         if policy == "dense":
             result = streaming.run_cached("dense", dense.engine, ids, chunk=args.chunk)
         elif policy == "recompute":
-            from enginesmith.runtime.ort_engine import OrtEngine
+            from enginesmith.runtime.engines.ort_engine import OrtEngine
 
             last = streaming.last_token_graph(dense.path / "model.onnx", out / "last_token.onnx")
             result = streaming.run_recompute(dense.engine, ids, capacity, args.stride, args.batch,

@@ -27,7 +27,7 @@ import common  # noqa: E402
 
 from enginesmith.measure import streaming
 from enginesmith.models import corpus  # noqa: E402
-from enginesmith.runtime.ort_engine import OrtEngine  # noqa: E402
+from enginesmith.runtime.engines.ort_engine import OrtEngine  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:

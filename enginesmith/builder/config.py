@@ -35,7 +35,7 @@ class BuildConfig:
     """What to build: the model, the target, and the passes; validated once, here (`validate`).
 
     target "ort-cpu": ONNX Runtime (CPU, or CUDA through the plain graph); "ort-cuda": ORT CUDA's
-    fast decode path (runtime.ort_cuda.GqaEngine: GroupQueryAttention on shared KV buffers, fp16/bf16),
+    fast decode path (runtime.engines.ort_cuda.GqaEngine: GroupQueryAttention on shared KV buffers, fp16/bf16),
     or with kv_layout "paged" the in-flight batching engine (PagedGroupQueryAttention on page pools: fp16,
     enginesmith's ORT ops); "trt": a TensorRT plan (build/trt.py)."""
     model: str | None = None     # see models.load.resolve

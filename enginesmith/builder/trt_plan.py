@@ -4,7 +4,7 @@ Written against the TensorRT Python API (10.x; 11.x accepts the same calls) and 
 mypy against its stubs; TensorRT cannot be installed on this project's machines, so none of the
 code that touches `tensorrt` has run here (see docs/deploy.md). `tensorrt` and torch are imported
 only inside the functions that need them (deferred on purpose: heavy and optional); without
-TensorRT, build_plan raises a UserError that says so. runtime/trt_engine.py opens and runs the plan.
+TensorRT, build_plan raises a UserError that says so. runtime/engines/trt_engine.py opens and runs the plan.
 
 Engine directory (next to model.onnx + data, tokenizer/):
     model.plan                 the serialized engine (weights stripped with strip_weights=True)

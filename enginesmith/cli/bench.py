@@ -13,7 +13,7 @@ from enginesmith.cli import bench_serve, bounds
 from enginesmith.cli.flags import (add_model_flags, add_speculative_flags, check_png, int_list, load_engine,
                                    speculative_config, speculative_decoder)
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.chat import stop_token_ids
+from enginesmith.runtime.text.chat import stop_token_ids
 
 
 def add_parser(verbs) -> None:
@@ -130,7 +130,7 @@ def _format_speculative(result: dict) -> str:
 def _paged_config(args):
     """--model (or the default model) with --requests: the paged engine for the device, built once and cached."""
     from enginesmith.builder.engine import BuildConfig  # deferred: imports the exporter (heavy)
-    from enginesmith.runtime.ort_engine import resolve_device  # deferred: imports onnxruntime
+    from enginesmith.runtime.engines.ort_engine import resolve_device  # deferred: imports onnxruntime
 
     cuda = {"target": "ort-cuda", "dtype": "fp16"} if resolve_device(args.device) == "cuda" else {}
     return BuildConfig(model=args.model, kv_layout="paged", **cuda)

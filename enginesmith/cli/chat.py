@@ -11,9 +11,9 @@ import sys
 from enginesmith.cli.flags import (add_kv_flags, add_model_flags, add_sampling_flags, generation_config,
                                    load_engine, sampling_params)
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.chat import encode_chat
-from enginesmith.runtime.generate import stream
-from enginesmith.runtime.ring_chat import ChatSession
+from enginesmith.runtime.text.chat import encode_chat
+from enginesmith.runtime.decoding.generate import stream
+from enginesmith.runtime.decoding.ring_chat import ChatSession
 
 
 def add_parser(verbs) -> None:

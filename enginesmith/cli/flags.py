@@ -3,7 +3,7 @@ the helpers that turn those flags into what the runtime takes: a BuildConfig, th
 SamplingParams, a GenerationConfig, a speculative decoder.
 
 Values are validated here, before any model is loaded, so a bad flag fails in milliseconds. The
-modules that import onnxruntime (runtime.load, runtime.ort_cuda, runtime.speculative) are imported
+modules that import onnxruntime (runtime.load, runtime.engines.ort_cuda, runtime.decoding.speculative) are imported
 where they are used: without ONNX Runtime, --help and doctor still work and a verb fails in one line.
 """
 
@@ -20,13 +20,13 @@ from enginesmith.cli import bounds
 from enginesmith.core import engine_dir, kv_spec
 from enginesmith.core.errors import UserError
 from enginesmith.core.out_paths import check_out
-from enginesmith.runtime.chat import stop_token_ids
-from enginesmith.runtime.generate import GenerationConfig
-from enginesmith.runtime.sampling import SamplingParams
-from enginesmith.runtime.tokenizer import check_text
+from enginesmith.runtime.text.chat import stop_token_ids
+from enginesmith.runtime.decoding.generate import GenerationConfig
+from enginesmith.runtime.decoding.sampling import SamplingParams
+from enginesmith.runtime.text.tokenizer import check_text
 
 if TYPE_CHECKING:
-    from enginesmith.runtime.speculative import SpeculativeConfig, SpeculativeDecoder
+    from enginesmith.runtime.decoding.speculative import SpeculativeConfig, SpeculativeDecoder
 
 
 
@@ -92,7 +92,7 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
 
 def speculative_config(args) -> SpeculativeConfig | None:
     """The SpeculativeConfig for --speculative/--k (validated before any model is loaded), or None."""
-    from enginesmith.runtime.speculative import SpeculativeConfig  # deferred: imports onnxruntime (optional)
+    from enginesmith.runtime.decoding.speculative import SpeculativeConfig  # deferred: imports onnxruntime (optional)
 
     if not getattr(args, "speculative", None):
         return None
@@ -102,7 +102,7 @@ def speculative_config(args) -> SpeculativeConfig | None:
 
 
 def speculative_decoder(args, loaded, spec: SpeculativeConfig) -> SpeculativeDecoder:
-    from enginesmith.runtime.speculative import (  # deferred: imports onnxruntime
+    from enginesmith.runtime.decoding.speculative import (  # deferred: imports onnxruntime
         SpeculativeDecoder,
         draft_model,
         open_drafter,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from enginesmith.cli.flags import (add_kv_flags, add_model_flags, add_sampling_flags, add_speculative_flags,
                                    generation_config, load_engine, print_speculative, sampling_params,
                                    speculative_config, speculative_decoder)
-from enginesmith.runtime.chat import encode_prompt
-from enginesmith.runtime.generate import generate, stream
-from enginesmith.runtime.tokenizer import check_text
+from enginesmith.runtime.text.chat import encode_prompt
+from enginesmith.runtime.decoding.generate import generate, stream
+from enginesmith.runtime.text.tokenizer import check_text
 
 
 def add_parser(verbs) -> None:

@@ -214,7 +214,7 @@ def _gpu_count() -> int:
 
 
 def cmd_serve(args) -> int:
-    from enginesmith.runtime.ort_engine import resolve_device  # deferred: onnxruntime (--help works without)
+    from enginesmith.runtime.engines.ort_engine import resolve_device  # deferred: onnxruntime (--help works without)
     from enginesmith.serving.loop import BatcherLoop, serving_model  # deferred: with the runtime above
 
     _check_flags(args)
@@ -260,7 +260,7 @@ def _serve_core_process(args, device: str, config: BuildConfig | None, api_key: 
     process reads only the engine's manifest and tokenizer."""
     from enginesmith.core import engine_dir  # deferred: only this path reads a manifest here
     from enginesmith.runtime.protocols import LoadedEngine  # deferred: the runtime (optional; --help works without)
-    from enginesmith.runtime.tokenizer import Tokenizer  # deferred: imports tokenizers
+    from enginesmith.runtime.text.tokenizer import Tokenizer  # deferred: imports tokenizers
     from enginesmith.serving.core_client import CoreClient  # deferred: imports the runtime
     from enginesmith.serving.engine_core import CoreSpec  # deferred: with the client above
 

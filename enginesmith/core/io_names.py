@@ -29,7 +29,7 @@ PRESENT = "present."               # prefix of the KV-cache outputs
 PAST_SINKS = "past_sinks."         # ring layout: the attention-sink inputs
 PRESENT_SINKS = "present_sinks."   # ring layout: the attention-sink outputs
 
-# The KV layouts' own inputs (made by the kv_ring / kv_paged passes, fed by runtime/kv_ring.py, kv_paged.py).
+# The KV layouts' own inputs (made by the kv_ring / kv_paged passes, fed by runtime/kv/kv_ring.py, kv_paged.py).
 CACHE_POSITIONS = "cache_positions"   # ring [B, C]
 WRITE_INDICES = "write_indices"       # ring [B]; its presence marks a ring graph
 SINK_SOURCES = "sink_sources"         # ring [B, s]

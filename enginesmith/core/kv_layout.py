@@ -1,7 +1,7 @@
 """What the ring and paged KV graphs are fed per step: the pure slot and index arithmetic.
 
 The kv_ring and kv_paged passes define these inputs (core/io_names.py names them), the runtime's
-caches (runtime/kv_ring.py, runtime/kv_paged.py) compute them for real traffic and the passes'
+caches (runtime/kv/kv_ring.py, runtime/kv/kv_paged.py) compute them for real traffic and the passes'
 output checks (passes/kv/ring_verify.py, paged_verify.py) compute them to compare a rewritten graph
 with its dense source. It sits in core, below both, because it is part of the graph's I/O contract,
 not of a cache implementation: numpy in, numpy out, no session, no buffers, no block manager.
@@ -20,7 +20,7 @@ import numpy as np
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 
-# ---- ring (StreamingLLM sinks + window; policy in runtime/kv_ring.py's module doc) -----------------
+# ---- ring (StreamingLLM sinks + window; policy in runtime/kv/kv_ring.py's module doc) -----------------
 
 
 def ring_feeds(count: np.ndarray, sinks: int, window: int,

@@ -76,7 +76,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.measure.throughput import BenchRequest, percentiles, require_matplotlib
 from enginesmith.models import load as model_load
 from enginesmith.models.corpus import tokenize
-from enginesmith.runtime.tokenizer import Tokenizer
+from enginesmith.runtime.text.tokenizer import Tokenizer
 
 APIS = ("openai", "triton")
 DEFAULT_TIMEOUT = 300.0       # seconds for one request, stream included

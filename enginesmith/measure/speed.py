@@ -34,9 +34,9 @@ import numpy as np
 from enginesmith.core.errors import UserError
 from enginesmith.models.corpus import tokenize
 from enginesmith.models.corpus import austen_text
-from enginesmith.runtime import speculative as sp
-from enginesmith.runtime.generate import GenerationConfig, generate_ids
-from enginesmith.runtime.ort_cuda import DecodeTimes, GqaEngine, fast_generate_ids
+from enginesmith.runtime.decoding import speculative as sp
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.engines.ort_cuda import DecodeTimes, GqaEngine, fast_generate_ids
 from enginesmith.runtime.protocols import Engine
 
 
@@ -147,7 +147,7 @@ def bench_engine(engine: Engine, tokenizer=None, prompt_tokens: int = 128, new_t
 
 
 def bench_device_engine(engine: GqaEngine, prompt: np.ndarray, new_tokens: int, warmup: int = 1, repeats: int = 1) -> dict:
-    """An engine with a device decode loop (runtime.ort_cuda.GqaEngine): greedy through
+    """An engine with a device decode loop (runtime.engines.ort_cuda.GqaEngine): greedy through
     `fast_generate_ids` (fixed IOBinding, CUDA graphs, argmax on the device, one host sync per
     token), as `enginesmith run` decodes with it. Prefill = prompt to first token; decode tok/s =
     B * (N - 1) / time from token 1 to token N (the first token comes from the prefill)."""

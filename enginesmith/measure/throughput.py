@@ -48,7 +48,7 @@ from enginesmith.core.errors import UserError
 from enginesmith.core.progress import bar as progress_bar
 from enginesmith.measure import speed
 from enginesmith.models.corpus import austen_text, data_dir, load_text, novels, tokenize
-from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig, StepOutput
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, PagedModel, SchedulerConfig, StepOutput
 
 RUN_PARAGRAPHS = 8            # a drawn prompt is a run of 1..RUN_PARAGRAPHS paragraphs
 MAX_PROMPT, MAX_NEW = 1024, 512  # default clips of the drawn lengths
@@ -194,7 +194,7 @@ def model_sizes(model, loaded=None) -> tuple[int | None, int]:
     graph, its pool's shape and (given the opened engine) its graph's weights."""
     kv = getattr(model, "kv_bytes_per_token", None)
     if kv is None:
-        pool = model.pool  # runtime.kv_paged.OrtPagedModel: pools [NB, BS, Hkv, D], one per K and per V
+        pool = model.pool  # runtime.kv.kv_paged.OrtPagedModel: pools [NB, BS, Hkv, D], one per K and per V
         kv = len(pool.past) * pool.shape[2] * pool.shape[3] * pool.dtype.itemsize
     weights = getattr(model, "weight_bytes", None)
     if weights is None and loaded is not None:

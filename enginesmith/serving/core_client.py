@@ -34,8 +34,8 @@ from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
 from enginesmith.core.errors import EngineError, UserError
-from enginesmith.runtime.batching import ContinuousBatcher
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.batching import ContinuousBatcher
+from enginesmith.runtime.decoding.sampling import SamplingParams
 from enginesmith.serving.engine_core import CoreInfo, CoreSpec
 from enginesmith.serving.loop import Draining, Event, Handle, LoopStats, Overloaded, wait_drained
 

@@ -19,7 +19,7 @@ request of the failed step is recomputed (batcher.recover), and if there were se
 the others go on. A failure that no single request reproduces costs one solo round, then batching resumes.
 
 The batcher is touched only by the loop thread (with async steps the engine's step runs beside it:
-runtime/step_pipeline.py; a step is published once its tokens are back, and close() waits for the
+runtime/decoding/step_pipeline.py; a step is published once its tokens are back, and close() waits for the
 step in flight). `stats()` is a consistent snapshot for /metrics:
 running, waiting, KV pages used, tokens and requests so far, and the time-to-first-token and
 inter-token-latency observations (histograms in serving/metrics.py).
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, PagedModel, SchedulerConfig
 from enginesmith.runtime.load import paged_model
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.sampling import SamplingParams
 
 Event = tuple  # ("token", id) | ("done", reason, stop) | ("error", message)
 

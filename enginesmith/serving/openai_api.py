@@ -41,8 +41,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from enginesmith.core.errors import EngineError, UserError
-from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
-from enginesmith.runtime.generate import MAX_NEW_TOKENS
+from enginesmith.runtime.text.chat import encode_chat, encode_prompt, stop_token_ids
+from enginesmith.runtime.decoding.generate import MAX_NEW_TOKENS
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.metrics import ServerMetrics
 from enginesmith.serving.http_guard import (api_error, check_api_key, disconnected, http_error, read_body,
@@ -364,7 +364,7 @@ class OpenAIServer:
 
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Token ids of the prompt (a worker thread: a chat template or a long text takes a while).
-        Special-token spellings in client text stay text (runtime.chat)."""
+        Special-token spellings in client text stay text (runtime.text.chat)."""
         if req.messages is not None:
             if not self.tokenizer.chat_template:
                 raise ApiError(400, "this model has no chat template; use /v1/completions", "messages", "unsupported")

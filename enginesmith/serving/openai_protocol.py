@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from enginesmith.runtime.generate import MAX_NEW_TOKENS
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.generate import MAX_NEW_TOKENS
+from enginesmith.runtime.decoding.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 8          # OpenAI allows 4
 MAX_STOP_CHARS = 256          # per stop string (the scheduler decodes that much of each output per step)

@@ -1,7 +1,7 @@
 """One request's text, token by token, for a streaming front door fed by the scheduler loop.
 
 The loop (serving/loop.py) hands out token ids; a client wants text. `TextStream` turns the ids of
-one request into text deltas with the rules of runtime.generate.stream, so a request answers the
+one request into text deltas with the rules of runtime.decoding.generate.stream, so a request answers the
 same text whichever path served it:
 
     token ──▶ stop token?  ── yes ─▶ the held text, then stopped (the stop token adds no text)
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from enginesmith.runtime.generate import IncrementalDetokenizer
+from enginesmith.runtime.decoding.generate import IncrementalDetokenizer
 
 
 def first_stop(text: str, stop_strings: Sequence[str], start: int = 0) -> int | None:

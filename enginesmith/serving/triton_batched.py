@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.batching import SchedulerConfig
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.batching import SchedulerConfig
+from enginesmith.runtime.decoding.sampling import SamplingParams
 from enginesmith.serving.loop import BatcherLoop, Draining
 from enginesmith.serving.text_stream import TextStream
 

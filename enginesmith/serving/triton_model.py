@@ -43,10 +43,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.chat import encode_prompt, stop_token_ids
-from enginesmith.runtime.generate import MAX_NEW_TOKENS, GenerationConfig, stream
+from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
+from enginesmith.runtime.decoding.generate import MAX_NEW_TOKENS, GenerationConfig, stream
 from enginesmith.runtime.load import open_engine, paged_model
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.sampling import SamplingParams
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.triton_batched import BatchedRequests, scheduler_config
 from enginesmith.serving.triton_repository import DEFAULT_MAX_TOKENS, INPUTS, ModelOptions, is_paged
@@ -444,7 +444,7 @@ class TritonPythonModel:
                 self._closed()
 
     def _serve(self, request: Any, sender: Any) -> None:
-        """One request, alone, through runtime.generate.stream (engines without paged KV)."""
+        """One request, alone, through runtime.decoding.generate.stream (engines without paged KV)."""
         settings = request_settings(self._values(request), self.options.max_tokens)
         loaded = self.loaded
         config = GenerationConfig(max_new_tokens=settings.max_tokens, sampling=settings.sampling,

@@ -11,7 +11,7 @@ Per layer i:
 Mode 3 is the attention after softmax (masked slots get 0), so attention_scores.{i}[b, h, c] is
 the attention mass slot c received from this step's queries. The ring graph already writes the
 new tokens at `write_indices` (TensorScatter) and rotates keys by their slots' positions in the
-cache: the runtime (runtime/kv_h2o.py) picks which slot a new token overwrites and what positions
+cache: the runtime (runtime/kv/kv_h2o.py) picks which slot a new token overwrites and what positions
 the slots hold, so evicting any slot needs no other graph change. Exact: Y is untouched.
 """
 

@@ -3,7 +3,7 @@
 A dense graph grows each layer's cache by Concat(past, new) and attends under a mask built from
 attention_mask. The paged graph instead reads and writes fixed page pools [NB, BS, Hkv, D] (BS =
 page_size tokens a page), addressed per step by three int32 inputs that the runtime's block manager
-fills (runtime/kv_paged.py): block_tables [B, MB] (each row's pages), context_lens [B] (positions
+fills (runtime/kv/kv_paged.py): block_tables [B, MB] (each row's pages), context_lens [B] (positions
 after the step) and slot_mapping [B, S] (where each new token's K/V goes); attention_mask leaves
 the graph. Two steps, one module each:
 

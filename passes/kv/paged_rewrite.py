@@ -18,7 +18,7 @@ after (the IR op, whose layout is the TensorRT plugin's, plugins/paged_attention
     slot_mapping [B,S] int32 ─────────────┘    the slots, then attend)  └─ present_v
 
 `attention_mask` leaves the graph (context_lens and the slots say everything); query column s of
-row b sits at position context_lens[b] - S + s and attends causally (runtime/kv_paged.py). Shape
+row b sits at position context_lens[b] - S + s and attends causally (runtime/kv/kv_paged.py). Shape
 nodes the exporter hung on the past inputs read the batch from input_ids instead. A graph where any
 layer does not match, or where the past length drives more than the mask, is refused as a whole.
 The node's attributes: num_heads, num_kv_heads, head_size, block_size (= BS), scale, write_kv = 1.

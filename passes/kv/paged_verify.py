@@ -2,7 +2,7 @@
 from. `verify.compare` feeds both the same random tokens (a prefill, then single-token decode steps,
 batch 2); the paged graph (cpu lowering) gets zeroed page pools bound as past input and present
 output at once (the graph writes them in place) and each step's block_tables, context_lens and
-slot_mapping from core/kv_layout.py (`paged_step`, the arithmetic runtime/kv_paged.py follows).
+slot_mapping from core/kv_layout.py (`paged_step`, the arithmetic runtime/kv/kv_paged.py follows).
 Pages are handed out as a fresh block manager hands them out (1, 2, 3, ... on demand, row by row),
 so a row's table is not contiguous once decode crosses a page, and every step passes `check_step`.
 """

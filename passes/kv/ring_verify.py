@@ -1,7 +1,7 @@
 """The pass manager's output check for a ring-layout graph: compare it with the dense graph it came
 from. Before any eviction the two must agree, so `verify.compare` feeds both the same random tokens
 (a prefill, then single-token decode steps, batch 2), fewer than the ring holds; the ring graph is fed
-by the ring policy's own arithmetic (core/kv_layout.py: `ring_feeds`, the one runtime/kv_ring.py's
+by the ring policy's own arithmetic (core/kv_layout.py: `ring_feeds`, the one runtime/kv/kv_ring.py's
 RingKVCache follows), with plain numpy past/present arrays.
 """
 

@@ -23,7 +23,7 @@ this step, minus 1), total_sequence_length int32 scalar (the longest row's), pas
 Hkv, C, D]; attention_mask and position_ids are gone: GQA masks causally by per-row lengths, and
 positions are the row's cache positions. A layer with a sliding window of W tokens (the export's
 `enginesmith.attention` metadata) gets local_window_size = W. That is exact for caches without holes (no left padding);
-the runtime (runtime/ort_cuda.py) keeps rows contiguous from slot 0. The pass is checked against the
+the runtime (runtime/engines/ort_cuda.py) keeps rows contiguous from slot 0. The pass is checked against the
 unlowered graph by tests/passes/test_lower_gqa.py (the pass manager cannot feed the new interface).
 """
 

@@ -14,8 +14,8 @@ from enginesmith.builder import jetson, trt_lint, trt_plan
 from enginesmith.builder.trt_plan import TrtBuildConfig, profile_shapes
 from enginesmith.core import tensorrt as trt_check
 from enginesmith.core.errors import EngineError, UserError
-from enginesmith.runtime import trt_engine
-from enginesmith.runtime.trt_engine import check_manifest
+from enginesmith.runtime.engines import trt_engine
+from enginesmith.runtime.engines.trt_engine import check_manifest
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
 needs_trt = pytest.mark.skipif(not HAS_TRT, reason="TensorRT cannot be installed here")
@@ -219,7 +219,7 @@ def test_build_backend_trt_fails_fast_without_tensorrt(tmp_path):
 @needs_trt
 def test_build_and_run_tiny_llama_matches_onnxruntime(tiny_engine, tmp_path):
     """Build a plan for the tiny Llama engine and compare greedy tokens with ONNX Runtime."""
-    from enginesmith.runtime.generate import GenerationConfig, generate
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 
     src = tiny_engine("llama")

@@ -18,7 +18,8 @@ from helpers.external import TRT_STUBS, require_module
 
 REPO = Path(__file__).resolve().parents[2]
 # paths inside the installed package (enginesmith/<here>), and where each lies in the repository
-CHECKED = {"runtime/trt_engine.py": "runtime/trt_engine.py", "builder/trt_lint.py": "enginesmith/builder/trt_lint.py",
+CHECKED = {"runtime/engines/trt_engine.py": "runtime/engines/trt_engine.py",
+           "builder/trt_lint.py": "enginesmith/builder/trt_lint.py",
            "builder/trt_ops.py": "enginesmith/builder/trt_ops.py", "builder/jetson.py": "enginesmith/builder/jetson.py",
            "builder/trt.py": "enginesmith/builder/trt.py", "builder/trt_plan.py": "enginesmith/builder/trt_plan.py",
            "core/tensorrt.py": "enginesmith/core/tensorrt.py", "serving/triton_repository.py": "enginesmith/serving/triton_repository.py",
@@ -35,7 +36,7 @@ warn_redundant_casts = True
 no_implicit_optional = True
 cache_dir = {cache}
 
-[mypy-enginesmith.runtime.trt_engine,enginesmith.serving.*,enginesmith.core.tensorrt,enginesmith.builder.trt,enginesmith.builder.trt_plan,enginesmith.builder.trt_lint,enginesmith.builder.trt_ops,enginesmith.builder.jetson]
+[mypy-enginesmith.runtime.engines.trt_engine,enginesmith.serving.*,enginesmith.core.tensorrt,enginesmith.builder.trt,enginesmith.builder.trt_plan,enginesmith.builder.trt_lint,enginesmith.builder.trt_ops,enginesmith.builder.jetson]
 disallow_untyped_defs = True
 disallow_incomplete_defs = True
 

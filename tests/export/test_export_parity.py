@@ -12,7 +12,7 @@ import torch
 
 from enginesmith.export import adapter
 from enginesmith.models import load as models
-from enginesmith.runtime.generate import left_pad, positions
+from enginesmith.runtime.decoding.generate import left_pad, positions
 from enginesmith.runtime.load import open_engine
 from helpers.parity import TOL, _prompts, ort_greedy, torch_greedy
 from helpers.tiny_families import FAMILIES

@@ -53,7 +53,7 @@ def test_folded_weights_match_peft_merge(family, rslora, tmp_path):
 def test_build_lora_engine_matches_peft_merged_logits(tmp_path):
     from enginesmith.builder.engine import BuildConfig, build
     from enginesmith.core.engine_dir import read_manifest
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     merged = _adapter("llama", tmp_path / "adapter")
     config = BuildConfig(model="tiny:llama", lora=str(tmp_path / "adapter"))

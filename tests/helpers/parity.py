@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from enginesmith.export import adapter
-from enginesmith.runtime.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 
 
 TOL = 1e-3

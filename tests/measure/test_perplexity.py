@@ -77,7 +77,7 @@ def test_bad_inputs(kwargs, match):
 def tiny_llama(tmp_path_factory):
     from enginesmith.export.to_onnx import export
     from enginesmith.models import tiny
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     model = tiny.build("tiny:llama")
     path = export(model, tmp_path_factory.mktemp("tiny") / "model.onnx")
@@ -98,7 +98,7 @@ def test_ort_matches_torch_tiny(tiny_llama):
 def test_smollm2_ort_matches_torch_on_austen(smollm2, smollm2_onnx, austen):
     """facts.md: SmolLM2 fp32, first 4096 tokens of Pride and Prejudice, no BOS, 1024 windows: 20.30."""
     from enginesmith.models.corpus import austen_text, tokenize
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     ids = tokenize(smollm2.tokenizer, austen_text("prideprejudice"), 4096)
     assert len(ids) == 4096

@@ -91,12 +91,12 @@ def _bos_adding_tokenizer():
 
 def test_prefix_is_bos_where_the_tokenizer_adds_one(tmp_path):
     from enginesmith.models import random_tokenizer
-    from enginesmith.runtime.tokenizer import Tokenizer
+    from enginesmith.runtime.text.tokenizer import Tokenizer
 
     tok = _bos_adding_tokenizer()
     assert tok("ab")["input_ids"][0] == 1
     assert P.prefix_token(tok) == (1, "bos", "<|im_start|>")
-    tok.save_pretrained(tmp_path)  # the engine's own tokenizer class (runtime.tokenizer), same files
+    tok.save_pretrained(tmp_path)  # the engine's own tokenizer class (runtime.text.tokenizer), same files
     assert P.prefix_token(Tokenizer(tmp_path)) == (1, "bos", "<|im_start|>")
     # SmolLM2's layout: a BOS is defined but never added -> EOS, as the harness's EOT
     assert P.prefix_token(random_tokenizer.build(400)) == (2, "eos", "<|im_end|>")
@@ -117,7 +117,7 @@ def test_prefix_needs_bos_or_eos():
 def tiny_llama(tiny_engine):
     """tiny:llama in PyTorch and the cached ORT engine built from the same weights."""
     from enginesmith.models import tiny
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     return tiny.build("tiny:llama"), OrtEngine(tiny_engine("llama") / "model.onnx", device="cpu")
 

@@ -7,7 +7,7 @@ paged engine (tiny:llama, --kv paged, ONNX Runtime CPU):
   requests in flight (read from the StepOutputs), gives every page back, also through preemption;
   its latency figures are ordered and positive;
 - the CLI end to end (--json, --png) and its bad flags (one line, exit 2, no traceback);
-- GPU (marked gpu): the CUDA paged engine (runtime/paged_cuda.py) through the CLI: rows capped at its
+- GPU (marked gpu): the CUDA paged engine (runtime/engines/paged_cuda.py) through the CLI: rows capped at its
   max_batch, chunks at its attention op's query limit, the bound over the GPU's copy bandwidth.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 from enginesmith.core.errors import UserError
 from enginesmith.measure import speed, throughput
-from enginesmith.runtime.batching import StepOutput
+from enginesmith.runtime.decoding.batching import StepOutput
 from enginesmith.runtime.load import open_engine, paged_model
 from helpers.external import needs_cuda
 from helpers.paged_engine import gpu, monkeypatch_module, paged_dir  # noqa: F401, F811  (fixtures, markers)

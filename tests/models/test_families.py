@@ -25,13 +25,13 @@ from enginesmith.models import config_check
 from enginesmith.models import load as models
 from enginesmith.models.families import FAMILIES, features_of, limits, support
 from enginesmith.passes import from_tokens, run_pipeline
-from enginesmith.runtime.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 from enginesmith.runtime.load import open_engine
 from helpers.parity import TOL, _prompts, ort_greedy, torch_greedy
 from enginesmith.export import adapter
-from enginesmith.runtime.generate import positions
+from enginesmith.runtime.decoding.generate import positions
 
-NEW = ["llama3", "qwen3", "granite", "olmo2", "phi3", "gemma2", "gemma3", "mistral-sw"]
+NEW = ["llama3", "qwen3", "granite", "olmo2", "phi3", "gemma2", "gemma3", "mistral-sw", "seed_oss"]
 ALL_TINY = [t for f in FAMILIES.values() for t in f.tiny if t != "llama-hd64"]
 
 
@@ -130,7 +130,7 @@ def test_fp16_export_runs_as_the_fp32_one(name, tiny_engine):
     """Every family exports in fp16 (the CUDA engines' precision) and ONNX Runtime loads it: RMSNorms that
     normalize in fp32 (OLMo 2, Gemma) and LongRoPE's fp32 tables (Phi-3) broke this once. Logits equal the
     fp32 engine's to fp16 rounding through a prefill and decode steps."""
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     same_fp16_logits(OrtEngine(fp16_engine(name) / "model.onnx", device="cpu", threads=1),
                      OrtEngine(tiny_engine(name) / "model.onnx", device="cpu", threads=1))
@@ -151,8 +151,8 @@ def test_lower_gqa_keeps_softcap_windows_and_qk_norms(name, tmp_path):
     between Casts) stay before the op's RoPE. The lowered graph on the CPU EP against the unlowered one: logits through a prefill past the window and decode steps."""
     import onnx
 
-    from enginesmith.runtime.ort_cuda import GqaEngine
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src = fp16_engine(name) / "model.onnx"
     out = tmp_path / "model.onnx"
@@ -237,8 +237,8 @@ def test_lower_gqa_keeps_the_sliding_window(tiny_engine, tmp_path):
     over a prefill longer than the window, decode steps and a multi-token step."""
     import onnx
 
-    from enginesmith.runtime.ort_cuda import GqaEngine
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src = tiny_engine("mistral-sw") / "model.onnx"
     out = tmp_path / "model.onnx"
@@ -315,7 +315,7 @@ def test_every_tiny_model_is_listed_and_loads_as_its_family():
 # ----------------------------------------------------------------------------- runtime on a new family
 
 def test_paged_cpu_graph_generates_as_the_dense_one(tiny_engine):
-    """Qwen3 through runtime.generate on the paged CPU graph: a left-padded batch, greedy, equal to dense."""
+    """Qwen3 through runtime.decoding.generate on the paged CPU graph: a left-padded batch, greedy, equal to dense."""
     from enginesmith.builder.engine import BuildConfig, cached_engine
 
     paged = open_engine(cached_engine(BuildConfig(model="tiny:qwen3", kv_layout="paged", page_size=4),
@@ -329,7 +329,7 @@ def test_paged_cpu_graph_generates_as_the_dense_one(tiny_engine):
 
 
 def test_speculative_decoding_is_lossless_on_a_new_family(tiny_engine):
-    from enginesmith.runtime import speculative as sp
+    from enginesmith.runtime.decoding import speculative as sp
 
     engine = open_engine(tiny_engine("gemma3"), device="cpu").engine
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
@@ -379,7 +379,7 @@ def test_cuda_gqa_matches_the_cpu_graph(name, tmp_path):
     kernels must read softcap and local_window_size the same way), and 40 greedy tokens against the plain
     fp16 graph."""
     from enginesmith.builder.engine import BuildConfig, build, cached_engine
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     src = cached_engine(BuildConfig(model=f"tiny:{name}", dtype="fp16"), progress=False)
     low = build(BuildConfig(target="ort-cuda", dtype="fp16", capacity=64, custom_ops=False), tmp_path / "engine",

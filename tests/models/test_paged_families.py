@@ -68,7 +68,7 @@ def _tokens(path, start: int = 1000, prompt_len: int = 21, follow: int = 8):
 def _paged_logits(path, device, prompt, follow):
     """Logits [len(prompt) + len(follow), V] of one row: the prompt in chunks of PAGE columns, then one
     decode step per token of `follow`, over pages 1, 2, ... of a small pool."""
-    from enginesmith.runtime.paged_cuda import open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
     eng = open_paged_engine(path, device=device, max_batch=2, num_pages=8).engine
     tables = np.zeros((1, eng.max_blocks), np.int32)
@@ -86,7 +86,7 @@ def _paged_logits(path, device, prompt, follow):
 
 def _dense_logits(path, prompt, follow):
     """The dense graph's logits: a prefill of `prompt`, then one decode step per token of `follow`."""
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     engine = open_gqa_engine(path, device="cpu", max_batch=1).engine
     cache = engine.new_cache(1)

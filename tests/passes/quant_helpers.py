@@ -10,7 +10,7 @@ import numpy as np
 def ort_logits(path: Path, ids: np.ndarray) -> np.ndarray:
     """Logits of a prefill of `ids` [B, S] from an empty cache (ORT CPU, default optimizations;
     W8A8 graphs then run on ORT's int8 kernels)."""
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     engine = OrtEngine(path, device="cpu")
     batch, seq = ids.shape

@@ -85,7 +85,7 @@ def logits_run(path: Path, prompts: list[list[int]], decode: int = 2) -> list[np
     Padded positions are set to 0 so that only real tokens are compared."""
     import onnxruntime as ort
 
-    from enginesmith.runtime.generate import left_pad, positions
+    from enginesmith.runtime.decoding.generate import left_pad, positions
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

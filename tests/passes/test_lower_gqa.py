@@ -1,4 +1,4 @@
-"""lower_gqa (+ skip_rmsnorm, + W4A16): the lowered graph, run by runtime.ort_cuda.GqaEngine on the
+"""lower_gqa (+ skip_rmsnorm, + W4A16): the lowered graph, run by runtime.engines.ort_cuda.GqaEngine on the
 CPU EP, gives the unlowered graph's logits (OrtEngine) through prefill, decode, a multi-token
 verify step, a rollback and a left-padded batch."""
 
@@ -30,9 +30,9 @@ def _lowered(src, tmp_path, steps="lower_gqa:capacity=64,skip_rmsnorm"):
 
 def _compare(reference, lowered, atol):
     """Max |logits difference| over the runtime's kinds of calls."""
-    from enginesmith.runtime.generate import left_pad, positions
-    from enginesmith.runtime.ort_cuda import GqaEngine
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.decoding.generate import left_pad, positions
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     ref = OrtEngine(reference, device="cpu", threads=1)
     low = GqaEngine(lowered, device="cpu", max_batch=2, capacity=64, threads=1)
@@ -85,7 +85,7 @@ def test_lowered_fp16_graph_with_decomposed_rotary(tmp_path):
 
 
 def test_w4a16_after_lowering_runs(tiny_engine, tmp_path):
-    from enginesmith.runtime.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
 
     out, counts = _lowered(tiny_engine("llama") / "model.onnx", tmp_path,
                            "lower_gqa:capacity=64,skip_rmsnorm,quantize_w4a16:block_size=32,lower_ort")

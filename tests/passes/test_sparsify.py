@@ -112,7 +112,7 @@ def test_sparse_reference_refuses_a_non_24_weight():
 @pytest.mark.parametrize("method", ["magnitude", "wanda"])
 def test_sparsify_prunes_every_linear_but_the_lm_head(method, tiny_engine, calib, tmp_path, private_cache):
     from enginesmith.passes.manager.pipeline import run_pipeline
-    from enginesmith.runtime.ort_engine import OrtEngine
+    from enginesmith.runtime.engines.ort_engine import OrtEngine
 
     src = tiny_engine("llama") / "model.onnx"
     dst = tmp_path / method / "model.onnx"

@@ -211,8 +211,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6], [11, 12, 13]]
 
 
 def _greedy(engine_dir, device, n=24):
-    from enginesmith.runtime.generate import GenerationConfig
-    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+    from enginesmith.runtime.decoding.generate import GenerationConfig
+    from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
     engine = open_gqa_engine(engine_dir, device=device, max_batch=2).engine
     return [ids.tolist() for ids, _ in fast_generate_ids(engine, PROMPTS, GenerationConfig(max_new_tokens=n))]
@@ -247,7 +247,7 @@ def test_pass_rewrites_every_linear_and_keeps_greedy_output(tiny_engines, quant)
 
 def test_engine_without_the_library_names_it(tiny_engines, monkeypatch, tmp_path):
     from enginesmith.core.errors import UserError
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     monkeypatch.setenv("ENGINESMITH_ORT_OPS_LIB", str(tmp_path / "missing.so"))
     with pytest.raises(UserError, match="ops library is not built"):
@@ -292,7 +292,7 @@ def test_cuda_norm_ops_match_cpu_kernels(ops_lib, m, n, k, bs, stream):
 
 def _teacher_forced_logits(engine_dir, device, prompt, follow):
     """Logits of a prefill of `prompt`, then of one decode step per token of `follow` (fp32, host)."""
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     engine = open_gqa_engine(engine_dir, device=device).engine
     cache = engine.new_cache(1)

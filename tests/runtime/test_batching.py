@@ -1,7 +1,7 @@
-"""Continuous batching over a paged engine (runtime/batching.py) on ORT CPU: requests of different
+"""Continuous batching over a paged engine (runtime/decoding/batching.py) on ORT CPU: requests of different
 lengths join and leave the batch every step, prompts are prefilled in chunks next to decode rows,
 shared prompt prefixes are taken from the prefix cache, a small pool forces preemption; every
-request's greedy output equals the request run alone (dense engine, runtime.generate), with sync and
+request's greedy output equals the request run alone (dense engine, runtime.decoding.generate), with sync and
 async scheduling (one step in flight while the next is scheduled). Async scheduling under random load
 (stop tokens and strings, cancellations, preemption in a tiny pool, seeded sampling) gives the sync
 scheduler's tokens and every page back; a fake model's timeline shows the host work beside its steps."""
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.generate import GenerationConfig, generate_ids
-from enginesmith.runtime.kv_paged import OrtPagedModel
-from enginesmith.runtime.ort_engine import OrtEngine
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.kv.kv_paged import OrtPagedModel
+from enginesmith.runtime.engines.ort_engine import OrtEngine
+from enginesmith.runtime.decoding.sampling import SamplingParams
 from helpers.paged_graphs import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
 
 VOCAB = 49152

@@ -1,4 +1,4 @@
-"""The paged KV block manager (runtime/block_manager.py): allocation, prefix sharing, copy-on-write,
+"""The paged KV block manager (runtime/kv/block_manager.py): allocation, prefix sharing, copy-on-write,
 freeing, and its invariants over 1,000 random requests. No model involved: pure bookkeeping."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.block_manager import KVCacheManager, hash_blocks
+from enginesmith.runtime.kv.block_manager import KVCacheManager, hash_blocks
 
 BS = 4
 

@@ -49,7 +49,7 @@ def _prompt(path) -> np.ndarray:
 
 def _logits(path, prompt):
     """Logits [TOKENS, V] of one row fed in CALLS through the engine's fixed steps (GqaEngine.run_rows)."""
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     eng = open_gqa_engine(path, device="cpu", max_batch=1).engine
     cache = eng.new_cache(1)

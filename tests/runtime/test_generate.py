@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.generate import (GenerationConfig, IncrementalDetokenizer, generate, left_pad,
+from enginesmith.runtime.decoding.generate import (GenerationConfig, IncrementalDetokenizer, generate, left_pad,
                                           positions, stream)
 from enginesmith.runtime.load import open_engine
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

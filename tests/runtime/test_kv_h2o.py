@@ -15,8 +15,8 @@ import torch
 
 from enginesmith.core.errors import UserError
 from enginesmith.passes import run_pipeline
-from enginesmith.runtime.kv_h2o import H2OKVCache
-from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.runtime.kv.kv_h2o import H2OKVCache
+from enginesmith.runtime.engines.ort_engine import OrtEngine
 from helpers.h2o_reference import H2OReference
 
 ATOL = 1e-4

@@ -27,8 +27,8 @@ from enginesmith.core.errors import UserError
 from enginesmith.passes import PassCheckError, run_pipeline
 from enginesmith.passes.kv.kv_paged import KVPagedParams, kv_paged
 from enginesmith.passes.lower.paged_lower import lower_paged_graph
-from enginesmith.runtime.kv_paged import PagedKVCache, PagedKVPool, PagedStep, build_step, check_step
-from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.runtime.kv.kv_paged import PagedKVCache, PagedKVPool, PagedStep, build_step, check_step
+from enginesmith.runtime.engines.ort_engine import OrtEngine
 
 from helpers.paged_graphs import h64_fp16_graph, make_paged, paged  # noqa: F401  (paged: the fixture)
 from helpers.tiny_families import FAMILIES
@@ -50,7 +50,7 @@ def paged_engine(path: Path) -> OrtEngine:
 def left_padded_run(engine, cache, prompts, steps: np.ndarray) -> list[np.ndarray]:
     """Logits of a left-padded prefill of `prompts`, then one decode step per row of `steps`;
     pad columns are dropped (each entry: [B, real tokens or 1, V] as a list of per-row arrays)."""
-    from enginesmith.runtime.generate import left_pad, positions
+    from enginesmith.runtime.decoding.generate import left_pad, positions
 
     ids, mask = left_pad(prompts, 0)
     out = engine.forward(ids, mask, positions(mask, ids.shape[1]), cache)
@@ -83,7 +83,7 @@ def test_paged_graph_matches_dense_logits(family, page_size, paged):
 
 
 def test_greedy_generation_is_token_identical(paged):
-    from enginesmith.runtime.generate import GenerationConfig, generate_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 
     dense_path, paged_path, _ = paged("qwen2", 4)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [3, 4, 5, 6, 7]]
@@ -159,7 +159,7 @@ def test_pools_are_written_in_place(paged):
 def test_fork_with_copy_on_write_matches_solo_runs(paged):
     """A prompt's cache is forked; the branches continue with different tokens. The child's first
     write lands in the shared, half-full page: copy-on-write. Both equal their dense solo runs."""
-    from enginesmith.runtime.block_manager import KVCacheManager
+    from enginesmith.runtime.kv.block_manager import KVCacheManager
 
     dense_path, paged_path, _ = paged("mistral", 4)
     engine = OrtEngine(paged_path, device="cpu", threads=1)
@@ -293,7 +293,7 @@ def test_cuda_lowering_runs_on_ort_cuda_like_the_dense_graph(h64, tmp_path, lens
     """The cuda lowering (com.microsoft.PagedAttention) on ORT's CUDA EP, pools on the device: the
     same logits as the dense fp16 graph on the same EP over a prefill and decode steps crossing a
     page boundary, and the same greedy tokens."""
-    from enginesmith.runtime.generate import GenerationConfig, generate_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 
     out = tmp_path / "cuda" / "model.onnx"
     make_paged(h64, out, 16, lower="cuda")
@@ -381,7 +381,7 @@ def test_rollback_and_row_selection(paged):
 def test_paged_engine_from_build_generates_like_the_dense_engine(tiny_engine):
     """`enginesmith build --kv paged` end to end: build.json layout and greedy tokens equal dense."""
     from enginesmith.builder.engine import BuildConfig, cached_engine
-    from enginesmith.runtime.generate import GenerationConfig, generate
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 
     paged = open_engine(cached_engine(BuildConfig(model="tiny:llama", kv_layout="paged", page_size=16),

@@ -18,7 +18,7 @@ import pytest
 
 from enginesmith.core.errors import UserError
 from enginesmith.passes.kv.kv_ring import KVRingParams, kv_ring
-from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.runtime.engines.ort_engine import OrtEngine
 from helpers.ring_reference import StartRecentReference
 
 ROPE_FAMILIES = ["llama", "qwen2", "mistral"]
@@ -111,7 +111,7 @@ def test_ring_matches_streaming_reference_over_wraps(family, sinks, ring, torch_
 def test_batch_rows_equal_the_rows_alone(ring, torch_model):
     """Left-padded prompts of different lengths (one longer than the window, so the engine splits
     it), then decode steps: every row equals its own solo run and the reference."""
-    from enginesmith.runtime.generate import left_pad, positions
+    from enginesmith.runtime.decoding.generate import left_pad, positions
 
     sinks, window = 2, 8
     _, ring_path = ring("llama", sinks, window)
@@ -159,7 +159,7 @@ def test_cache_is_fixed_size_and_updated_in_place(ring):
 def test_generate_streams_past_the_capacity(ring):
     """generate() over a ring engine: greedy tokens equal the dense engine's while nothing is
     evicted, and it keeps going (constant memory) far past the capacity."""
-    from enginesmith.runtime.generate import GenerationConfig, generate_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 
     dense_path, ring_path = ring("qwen2", 4, 12)
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
@@ -172,7 +172,7 @@ def test_generate_streams_past_the_capacity(ring):
 
 def test_feeds_follow_the_policy():
     """Slot occupancy and positions of a 2-sink, 4-slot window after 9 tokens, then a wrapping chunk."""
-    from enginesmith.runtime.kv_ring import RingKVCache
+    from enginesmith.runtime.kv.kv_ring import RingKVCache
 
     cache = RingKVCache(2, 4, {"past": [], "past_sinks": []}, 1, 1, 1, np.float32, "cpu")
     cache.count[:] = 9  # tokens 0,1 in sinks; window tokens 5..8 in slots 3,0,1,2
@@ -268,9 +268,9 @@ def test_cli_run_and_eval_with_a_ring(capsys, tmp_path, austen):
 
 def test_chat_session_keeps_one_cache(tiny_engine):
     """Turns continue one ring cache: later turns feed only their own tokens."""
-    from enginesmith.runtime.generate import GenerationConfig
+    from enginesmith.runtime.decoding.generate import GenerationConfig
     from enginesmith.runtime.load import open_engine
-    from enginesmith.runtime.ring_chat import ChatSession
+    from enginesmith.runtime.decoding.ring_chat import ChatSession
     from enginesmith.builder.engine import BuildConfig, cached_engine
 
     loaded = open_engine(cached_engine(BuildConfig(model="tiny:qwen2", kv_layout="ring", kv_sinks=4,

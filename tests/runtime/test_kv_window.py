@@ -1,4 +1,4 @@
-"""Sliding-window layers give their pages back (runtime/block_manager.py, issue 29 goal 4).
+"""Sliding-window layers give their pages back (runtime/kv/block_manager.py, issue 29 goal 4).
 
 The oracle: a Python reference paged model (`WindowRefModel`) that writes each token's key through the
 slot mapping and attends, as the paged kernels do, to its last W positions read through the block
@@ -19,8 +19,8 @@ import pytest
 
 from helpers.external import needs_cuda
 
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.block_manager import KVCacheManager
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.kv.block_manager import KVCacheManager
 
 BS, W, VOCAB = 4, 11, 97
 
@@ -229,7 +229,7 @@ def test_the_paged_op_gives_the_same_tokens_with_pages_given_back(windowed_engin
     16 instead of up to 8. Both runs schedule the same batches, so the GEMMs see the same rows and the
     tokens must be equal, not just close. Gemma 2 as built (a global layer beside the windowed one) frees
     nothing: kv_window None."""
-    from enginesmith.runtime.paged_cuda import open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
     mixed, windowed = windowed_engine
     assert open_paged_engine(mixed, device=device, num_pages=40).engine.kv_window is None

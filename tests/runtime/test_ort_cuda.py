@@ -1,4 +1,4 @@
-"""runtime.ort_cuda: the GQA engine (shared KV buffer, fixed bindings, device sampling) on the CPU EP
+"""runtime.engines.ort_cuda: the GQA engine (shared KV buffer, fixed bindings, device sampling) on the CPU EP
 here, and on CUDA with CUDA graphs where onnxruntime-gpu and a GPU exist (marked `gpu`; they skip
 elsewhere, saying why)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.generate import GenerationConfig, generate_ids
-from enginesmith.runtime.sampling import SamplingParams, probabilities
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
+from enginesmith.runtime.decoding.sampling import SamplingParams, probabilities
 
 
 def _cuda_available() -> bool:
@@ -48,7 +48,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6], [11, 12, 13]]
 
 
 def test_manifest_and_open(lowered):
-    from enginesmith.runtime.ort_cuda import GqaEngine, open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine, open_gqa_engine
 
     loaded = open_gqa_engine(lowered["fp32"][1], device="cpu", max_batch=2)
     assert isinstance(loaded.engine, GqaEngine)
@@ -58,7 +58,7 @@ def test_manifest_and_open(lowered):
 
 
 def test_fast_generate_greedy_matches_plain_generate(lowered):
-    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
     src, low = lowered["fp32"]
     config = GenerationConfig(max_new_tokens=24)
@@ -71,8 +71,8 @@ def test_fast_generate_greedy_matches_plain_generate(lowered):
 
 def test_speculative_on_the_gqa_engine_is_lossless(lowered):
     """Rollback on the shared buffer is a length change; greedy output is unchanged by speculation."""
-    from enginesmith.runtime import speculative as sp
-    from enginesmith.runtime.ort_cuda import open_gqa_engine
+    from enginesmith.runtime.decoding import speculative as sp
+    from enginesmith.runtime.engines.ort_cuda import open_gqa_engine
 
     src, low = lowered["fp32"]
     engine = open_gqa_engine(low, device="cpu").engine
@@ -87,7 +87,7 @@ def test_speculative_on_the_gqa_engine_is_lossless(lowered):
 def test_device_sampler_draws_from_the_processed_distribution():
     """sample_on_device (argmax of probs / Exp noise) has sampling.probabilities' distribution:
     chi-square goodness of fit, seeded, false-alarm rate 1e-3."""
-    from enginesmith.runtime.ort_cuda import sample_on_device
+    from enginesmith.runtime.engines.ort_cuda import sample_on_device
 
     logits = torch.tensor(np.random.default_rng(0).normal(0, 1.5, (1, 12)), dtype=torch.float32)
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, repetition_penalty=1.4)
@@ -108,7 +108,7 @@ def test_device_sampler_draws_from_the_processed_distribution():
 
 
 def test_capacity_and_batch_limits(lowered):
-    from enginesmith.runtime.ort_cuda import GqaEngine, fast_generate_ids
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine, fast_generate_ids
 
     engine = GqaEngine(lowered["fp32"][1] / "model.onnx", device="cpu", max_batch=1, capacity=16)
     with pytest.raises(UserError, match="batch 2"):
@@ -120,7 +120,7 @@ def test_capacity_and_batch_limits(lowered):
 
 
 def test_plain_graph_is_refused(lowered):
-    from enginesmith.runtime.ort_cuda import GqaEngine
+    from enginesmith.runtime.engines.ort_cuda import GqaEngine
 
     with pytest.raises(UserError, match="not a GQA-lowered graph"):
         GqaEngine(lowered["fp32"][0] / "model.onnx", device="cpu")
@@ -133,7 +133,7 @@ def test_plain_graph_is_refused(lowered):
 def test_cuda_graph_decode_matches_eager_cuda(lowered):
     """fp16 on CUDA: decode with CUDA graphs (captured by torch around ORT's Run, or by ORT itself)
     gives the tokens the same engine gives without graphs, and the step was captured and replayed."""
-    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
     config = GenerationConfig(max_new_tokens=40)
     outs = {}
@@ -152,8 +152,8 @@ def test_cuda_graph_decode_matches_eager_cuda(lowered):
 def test_cuda_matches_cpu_reference_and_speculation(lowered):
     """The fp16 graph on CUDA (GQA's CUDA kernels are fp16/bf16 only) follows the same graph on
     the CPU EP (fp16 rounding may flip a near-tie, rarely); speculation is lossless on CUDA."""
-    from enginesmith.runtime import speculative as sp
-    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+    from enginesmith.runtime.decoding import speculative as sp
+    from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
     low = lowered["fp16"][1]
     config = GenerationConfig(max_new_tokens=24)
@@ -170,7 +170,7 @@ def test_cuda_matches_cpu_reference_and_speculation(lowered):
 @pytest.mark.gpu
 @gpu
 def test_sampling_on_cuda_is_seeded(lowered):
-    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
     engine = open_gqa_engine(lowered["fp16"][1], device="cuda").engine
     config = GenerationConfig(max_new_tokens=16, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=3))
@@ -183,7 +183,7 @@ def test_sampling_on_cuda_is_seeded(lowered):
 def test_two_stage_argmax_matches_argmax_with_ties(vocab):
     """device_argmax (max per chunk of the vocabulary, then argmax of the chunk maxima) returns
     argmax's index, the first one on ties, for fp16 rows with repeated maxima."""
-    from enginesmith.runtime.ort_cuda import device_argmax
+    from enginesmith.runtime.engines.ort_cuda import device_argmax
 
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(6, vocab, generator=gen).half()
@@ -201,7 +201,7 @@ def test_engine_interface_on_cuda_matches_the_device_loop(lowered):
     """generate_ids over GqaEngine.forward (what `enginesmith run` streams with) on CUDA, with the
     captured decode step, gives the device loop's tokens: the logits are copied to the host only
     after the step that wrote them (a copy on another stream once read the previous step's)."""
-    from enginesmith.runtime.ort_cuda import fast_generate_ids, open_gqa_engine
+    from enginesmith.runtime.engines.ort_cuda import fast_generate_ids, open_gqa_engine
 
     config = GenerationConfig(max_new_tokens=32)
     engine = open_gqa_engine(lowered["fp16"][1], device="cuda", max_batch=2).engine

@@ -1,4 +1,4 @@
-"""The CUDA paged engine (runtime/paged_cuda.py) under the ContinuousBatcher (runtime/batching.py).
+"""The CUDA paged engine (runtime/engines/paged_cuda.py) under the ContinuousBatcher (runtime/decoding/batching.py).
 
 CPU (here and in CI): the engine runs the paged-GQA graph through the ORT ops' CPU kernels, no CUDA
 graphs. Batched greedy outputs equal each request run alone (the same engine, one request at a time);
@@ -23,15 +23,15 @@ import pytest
 from helpers.external import needs_cuda
 from helpers.paged_engine import gpu, monkeypatch_module, paged_dir  # noqa: F401  (fixtures, the marker)
 
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.decoding.sampling import SamplingParams
 
 CAPACITY = 256
 VOCAB = 49152  # tiny:llama-hd64's vocabulary (the SmolLM2 tokenizer)
 
 
 def _engine(paged_dir, device="cpu", num_pages=48, max_batch=8):
-    from enginesmith.runtime.paged_cuda import open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
     return open_paged_engine(paged_dir, device=device, max_batch=max_batch, num_pages=num_pages).engine
 
@@ -121,8 +121,8 @@ def test_random_load_with_cancellation_and_preemption_leaks_no_page(paged_dir, a
 
 
 def test_generate_runs_through_the_batcher(paged_dir):
-    """`enginesmith run` on a paged engine: runtime.generate drives the batcher (lockstep rows)."""
-    from enginesmith.runtime.generate import GenerationConfig, generate_ids
+    """`enginesmith run` on a paged engine: runtime.decoding.generate drives the batcher (lockstep rows)."""
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
 
     engine = _engine(paged_dir)
     prompts = [[5, 6, 7], list(range(40, 75))]
@@ -196,7 +196,7 @@ def test_gpu_pool_is_sized_from_free_memory(paged_dir):
 
     import torch
 
-    from enginesmith.runtime.paged_cuda import SLACK_BYTES, open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import SLACK_BYTES, open_paged_engine
 
     free, total = torch.cuda.mem_get_info()
     share = min(0.95, (total - free + (8 << 30)) / total)

@@ -43,7 +43,7 @@ def _prompt(path) -> np.ndarray:
 
 def _logits(path, prompt):
     """Logits [TOKENS, V] of one row fed in chunks of PAGE columns over pages 1, 2, 3 (and the pool)."""
-    from enginesmith.runtime.paged_cuda import open_paged_engine
+    from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
     eng = open_paged_engine(path, device="cpu", max_batch=2, num_pages=16).engine
     tables = np.zeros((1, eng.max_blocks), np.int32)

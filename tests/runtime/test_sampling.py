@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.sampling import (SamplingParams, apply_repetition_penalty, filter_top_k,
+from enginesmith.runtime.decoding.sampling import (SamplingParams, apply_repetition_penalty, filter_top_k,
                                           filter_top_p, probabilities, sample)
 
 

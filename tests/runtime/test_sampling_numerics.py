@@ -1,6 +1,6 @@
 """Tiny but legal sampling values (issue 28): the distribution is checked against an arbitrary-precision
 reference (mpmath), never NaN, and a near-zero temperature picks the greedy token, on the host
-(runtime.sampling) and on the device path (runtime.ort_cuda.sample_on_device, run on CPU tensors)."""
+(runtime.decoding.sampling) and on the device path (runtime.engines.ort_cuda.sample_on_device, run on CPU tensors)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from helpers.external import require_module
 
 from enginesmith import cli
-from enginesmith.runtime.sampling import SamplingParams, probabilities, sample
+from enginesmith.runtime.decoding.sampling import SamplingParams, probabilities, sample
 
 mpmath = require_module("mpmath", "pip install mpmath (a sympy dependency)")
 mpmath.mp.dps = 60
@@ -87,7 +87,7 @@ def test_near_zero_temperature_is_greedy(temperature):
 @pytest.mark.parametrize("temperature", [1e-46, 1e-39, 1e-20])
 def test_the_device_path_is_greedy_at_near_zero_temperature(temperature):
     torch = pytest.importorskip("torch")
-    from enginesmith.runtime.ort_cuda import sample_on_device
+    from enginesmith.runtime.engines.ort_cuda import sample_on_device
 
     logits = torch.from_numpy(rows())
     logits[:, 0] = logits.max(-1).values + 0.25
@@ -100,7 +100,7 @@ def test_the_device_path_is_greedy_at_near_zero_temperature(temperature):
 
 def test_the_device_path_survives_a_tiny_penalty():
     torch = pytest.importorskip("torch")
-    from enginesmith.runtime.ort_cuda import sample_on_device
+    from enginesmith.runtime.engines.ort_cuda import sample_on_device
 
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
     seen = torch.tensor([[True, False, True, True]])

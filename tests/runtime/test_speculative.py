@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime import speculative as sp
-from enginesmith.runtime.generate import GenerationConfig, generate, generate_ids
-from enginesmith.runtime.sampling import SamplingParams, probabilities
+from enginesmith.runtime.decoding import speculative as sp
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate, generate_ids
+from enginesmith.runtime.decoding.sampling import SamplingParams, probabilities
 
 ALPHA = 1e-3
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginesmith.runtime.tokenizer import Tokenizer
+from enginesmith.runtime.text.tokenizer import Tokenizer
 from helpers.external import missing
 
 TEXTS = ["Hello world", "  Café — 東京 🙂\n\nnew paragraph", "<|im_start|>user\nhi<|im_end|>", ""]

@@ -32,11 +32,11 @@ from tokenizers import AddedToken, Tokenizer as FastTokenizer, decoders, models,
 from enginesmith import cli
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import EngineError, UserError
-from enginesmith.runtime.chat import encode_chat, encode_prompt
-from enginesmith.runtime.generate import GenerationConfig
-from enginesmith.runtime.ring_chat import ChatSession
-from enginesmith.runtime.sampling import SamplingParams
-from enginesmith.runtime.tokenizer import MAX_OTHER_FILE_BYTES, MAX_TOKENIZER_JSON_BYTES, Tokenizer
+from enginesmith.runtime.text.chat import encode_chat, encode_prompt
+from enginesmith.runtime.decoding.generate import GenerationConfig
+from enginesmith.runtime.decoding.ring_chat import ChatSession
+from enginesmith.runtime.decoding.sampling import SamplingParams
+from enginesmith.runtime.text.tokenizer import MAX_OTHER_FILE_BYTES, MAX_TOKENIZER_JSON_BYTES, Tokenizer
 from helpers.external import missing
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -27,7 +27,7 @@ from test_serve import KEY, MODEL, PROMPTS, Server, concurrent_answers, engine, 
 from helpers.external import needs_cuda
 from helpers.paged_engine import monkeypatch_module, paged_dir  # noqa: F401  (fixtures)
 
-from enginesmith.runtime.batching import SchedulerConfig
+from enginesmith.runtime.decoding.batching import SchedulerConfig
 from enginesmith.serving.core_client import CoreClient
 from enginesmith.serving.engine_core import CoreSpec
 from enginesmith.serving.loop import BatcherLoop

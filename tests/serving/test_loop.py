@@ -15,9 +15,9 @@ import pytest
 from helpers.paged_graphs import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.kv_paged import OrtPagedModel
-from enginesmith.runtime.ort_engine import OrtEngine
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.kv.kv_paged import OrtPagedModel
+from enginesmith.runtime.engines.ort_engine import OrtEngine
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 
 VOCAB = 49152

@@ -1,7 +1,7 @@
 """`enginesmith serve` as a real process on 127.0.0.1, driven by the official `openai` client.
 
 A tiny paged CPU engine (tiny:llama, random weights, `build --kv paged`) is served; the oracle is
-runtime.generate.generate on the same engine in this process (greedy text, token counts):
+runtime.decoding.generate.generate on the same engine in this process (greedy text, token counts):
   - whole and streamed completions and chat completions equal the oracle, and each other; usage
     counts the prompt and the generated tokens; a stop string ends the text before it;
   - 32 concurrent clients (streamed and whole) each get the answer their request gets alone;
@@ -130,8 +130,8 @@ def engine():
 @pytest.fixture(scope="module")
 def oracle(engine):
     """oracle(prompt | messages, max_tokens, stop=()) -> (prompt ids, Completion) of greedy generate()."""
-    from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
-    from enginesmith.runtime.generate import GenerationConfig, generate
+    from enginesmith.runtime.text.chat import encode_chat, encode_prompt, stop_token_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 
     loaded = open_engine(engine, device="cpu", threads=1)
@@ -224,7 +224,7 @@ def test_a_stop_string_ends_the_text_before_it(server, oracle):
     assert len(words) >= 4, full.text
     stop = words[2]
     expected = full.text[:full.text.index(stop)]
-    assert oracle(PROMPTS[1], 24, stop=[stop])[1].text == expected  # runtime.generate's stop semantics
+    assert oracle(PROMPTS[1], 24, stop=[stop])[1].text == expected  # runtime.decoding.generate's stop semantics
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop])
     assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected, "stop")
     text, finish, _ = streamed(client, False, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=stop)

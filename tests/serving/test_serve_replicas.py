@@ -1,7 +1,7 @@
 """`enginesmith serve --replicas 2`: one front door over two replica processes, as real processes on 127.0.0.1.
 
 The tiny paged CPU engine (the `paged_engine` fixture) is served by two replicas behind the front
-door; the oracle is runtime.generate.generate on the same engine in this process, which
+door; the oracle is runtime.decoding.generate.generate on the same engine in this process, which
 tests/serving/test_serve.py shows a single server answers exactly (greedy):
   - whole and streamed completions and chat through the front door equal the oracle;
   - 16 concurrent clients each get their own answer, and both replicas' metrics show requests;
@@ -82,8 +82,8 @@ def by_replica(samples: dict, name: str, labels: str = "") -> dict[str, float]:
 @pytest.fixture(scope="module")
 def oracle(paged_engine):
     """oracle(prompt | messages, max_tokens) -> Completion of greedy generate() on the served engine."""
-    from enginesmith.runtime.chat import encode_chat, encode_prompt, stop_token_ids
-    from enginesmith.runtime.generate import GenerationConfig, generate
+    from enginesmith.runtime.text.chat import encode_chat, encode_prompt, stop_token_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 
     loaded = open_engine(paged_engine, device="cpu", threads=1)

@@ -1,13 +1,13 @@
-"""enginesmith/serving/text_stream.TextStream against runtime.generate.stream (the oracle): fed a request's token
-ids one by one, it gives the same text deltas, the same cut before a stop string, the same end at a
+"""enginesmith/serving/text_stream.TextStream against runtime.decoding.generate.stream (the oracle): fed a
+request's token ids one by one, it gives the same text deltas, the same cut before a stop string, the same end at a
 stop token, and releases the held text at the end."""
 
 from __future__ import annotations
 
 import pytest
 
-from enginesmith.runtime.chat import encode_prompt
-from enginesmith.runtime.generate import GenerationConfig, stream
+from enginesmith.runtime.text.chat import encode_prompt
+from enginesmith.runtime.decoding.generate import GenerationConfig, stream
 from enginesmith.runtime.load import open_engine
 from enginesmith.serving.text_stream import TextStream, first_stop
 

@@ -13,9 +13,9 @@ import pytest
 
 from fake_triton import Request, start_model
 
-from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.chat import encode_prompt, stop_token_ids
-from enginesmith.runtime.generate import GenerationConfig, generate
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate
 from enginesmith.runtime.load import open_engine, paged_model
 
 PROMPTS = [f"Tell me about the number {i}." for i in range(12)]

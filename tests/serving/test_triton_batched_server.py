@@ -32,8 +32,8 @@ PROMPTS = [f"Request {i}: tell me about the number {i * 7}." for i in range(STRE
 @pytest.fixture(scope="module")
 def alone(paged_engine):
     """Greedy token ids of each prompt run by itself (a batch of one), in-process: the oracle."""
-    from enginesmith.runtime.batching import ContinuousBatcher, SchedulerConfig
-    from enginesmith.runtime.chat import encode_prompt, stop_token_ids
+    from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
+    from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
     from enginesmith.runtime.load import open_engine, paged_model
 
     loaded = open_engine(paged_engine, device="cpu", verify_hashes=False)

@@ -52,8 +52,8 @@ LONG = {"text_input": "Write a very long story about a dragon who learns to cook
 @pytest.fixture(scope="module")
 def direct(smollm2_engine):
     """The same engine opened in-process: greedy generate() is the oracle."""
-    from enginesmith.runtime.chat import encode_prompt, stop_token_ids
-    from enginesmith.runtime.generate import GenerationConfig, generate
+    from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
+    from enginesmith.runtime.decoding.generate import GenerationConfig, generate
     from enginesmith.runtime.load import open_engine
 
     loaded = open_engine(smollm2_engine, device="cpu", verify_hashes=False)

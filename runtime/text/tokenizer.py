@@ -8,7 +8,7 @@ what the runtime, evaluation and deployment code call; tests check it against tr
 
 These files are untrusted input (engines travel): each is read only if it is a regular file (no
 symlink, no FIFO) of bounded size, parsed strictly (UTF-8, JSON of the expected shape), and the
-chat template is compiled at load and rendered under runtime.chat_template's limits. Any problem
+chat template is compiled at load and rendered under runtime.text.chat_template's limits. Any problem
 is an EngineError naming the file.
 """
 
@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as FastTokenizer
 
 from enginesmith.core.engine_dir import rebuild_fix
 from enginesmith.core.errors import EngineError, UserError
-from enginesmith.runtime import chat_template
+from enginesmith.runtime.text import chat_template
 
 MAX_TOKENIZER_JSON_BYTES = 64 << 20
 MAX_OTHER_FILE_BYTES = 4 << 20
@@ -203,7 +203,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = True, **extra):
         """Render the template as transformers does (sandboxed jinja2, trim/lstrip blocks), under
-        runtime.chat_template's time and size limits. A template over a limit, or failing, is an
+        runtime.text.chat_template's time and size limits. A template over a limit, or failing, is an
         EngineError; one that refuses the messages with raise_exception(...) is a UserError."""
         if self._template is None:
             raise UserError("this model's tokenizer has no chat template", "use --raw to continue plain text")

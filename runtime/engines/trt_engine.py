@@ -33,7 +33,7 @@ from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import Manifest
 from enginesmith.core.tensorrt import current_sm, ensure_tensorrt, load_plugins, shape_of
 from enginesmith.runtime.protocols import LoadedEngine
-from enginesmith.runtime.tokenizer import Tokenizer
+from enginesmith.runtime.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import tensorrt as trt

@@ -19,7 +19,7 @@ One `step()` (vLLM v1's scheduler, scaled down: one token budget, no separate pr
     stop token / stop string / max_new_tokens -> finished, pages freed at once; full blocks just
     written enter the prefix cache
 
-Async scheduling (`SchedulerConfig.async_steps`, runtime/step_pipeline.py): one step stays in flight.
+Async scheduling (`SchedulerConfig.async_steps`, runtime/decoding/step_pipeline.py): one step stays in flight.
 While step n runs, the next is scheduled as if every row of n goes on (a row that samples at n has one
 token pending: its slot is allocated, its input id is a hole); when n's tokens come back the holes are
 filled and n + 1 is launched at once; only then are n's tokens processed. So `step()` still returns
@@ -55,9 +55,9 @@ import numpy as np
 
 from enginesmith.core.errors import UserError
 from enginesmith.core.kv_layout import PagedStep, paged_step
-from enginesmith.runtime.block_manager import KVCacheManager
-from enginesmith.runtime.sampling import SamplingParams
-from enginesmith.runtime.step_pipeline import InFlight, StepPipeline
+from enginesmith.runtime.kv.block_manager import KVCacheManager
+from enginesmith.runtime.decoding.sampling import SamplingParams
+from enginesmith.runtime.decoding.step_pipeline import InFlight, StepPipeline
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class ContinuousBatcher:
     """Runs many requests of different lengths through one paged model, batch changing per step.
 
     Single-threaded: call add_request / cancel / step from one thread (a server's loop thread); with
-    async steps the model runs off that thread (runtime/step_pipeline.py), one step at a time."""
+    async steps the model runs off that thread (runtime/decoding/step_pipeline.py), one step at a time."""
 
     def __init__(self, model: PagedModel, config: SchedulerConfig | None = None,
                  enable_prefix_caching: bool = True, decode: Callable[[Sequence[int]], str] | None = None):

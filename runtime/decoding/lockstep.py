@@ -8,8 +8,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from enginesmith.runtime.batching import ContinuousBatcher, PagedModel, SchedulerConfig
-from enginesmith.runtime.sampling import SamplingParams
+from enginesmith.runtime.decoding.batching import ContinuousBatcher, PagedModel, SchedulerConfig
+from enginesmith.runtime.decoding.sampling import SamplingParams
 
 
 def batched_ids(model: PagedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -23,7 +23,7 @@ import re
 import secrets
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.tokenizer import check_text
+from enginesmith.runtime.text.tokenizer import check_text
 
 MAX_PROMPT_CHARS = 1 << 22  # more text than any context we run holds, and bounded tokenizer work
 

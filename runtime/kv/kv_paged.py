@@ -13,7 +13,7 @@ What a paged graph is fed per step (`PagedStep`, the layout of plugins/paged_att
     past_key_values.{i}.key/value [NB, BS, Hkv, D]  the pools, bound as input and output at once
     -> logits [B, S, V], present.{i}.key/value (the same pools, written in place)
 
-Padding: rows of a step may hold fewer real tokens than S. Right padding (runtime.batching) keeps
+Padding: rows of a step may hold fewer real tokens than S. Right padding (runtime.decoding.batching) keeps
 `context_lens = computed + S`, so every query column has a valid position and no pad is ever
 attended by a real token; the TensorRT plugin requires that (context_lens >= S). Left padding (what
 `generate_ids` feeds) sets `context_lens = computed + real`, so pad columns get positions < 0 and
@@ -32,8 +32,8 @@ from enginesmith.core.kv_layout import PagedStep, check_step, paged_step  # noqa
 from enginesmith.core import io_names
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
-from enginesmith.runtime.block_manager import KVCacheManager
-from enginesmith.runtime.sampling import sample
+from enginesmith.runtime.kv.block_manager import KVCacheManager
+from enginesmith.runtime.decoding.sampling import sample
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 METADATA = io_names.PAGED_INPUTS  # block_tables, context_lens, slot_mapping

@@ -13,9 +13,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.lockstep import batched_ids
+from enginesmith.runtime.decoding.lockstep import batched_ids
 from enginesmith.runtime.protocols import Engine, KVCache
-from enginesmith.runtime.sampling import SamplingParams, sample
+from enginesmith.runtime.decoding.sampling import SamplingParams, sample
 
 MAX_NEW_TOKENS = 1 << 20  # a bound on one request's work; a ring-cache stream can still run this long
 

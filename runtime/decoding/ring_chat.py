@@ -20,8 +20,8 @@ from functools import partial
 from typing import Iterator
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.chat import TextGuard, check_messages, render_chat
-from enginesmith.runtime.generate import GenerationConfig, generate_ids, stream
+from enginesmith.runtime.text.chat import TextGuard, check_messages, render_chat
+from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids, stream
 
 _PROBE = ("\u2063probe-user\u2063", "\u2063probe-reply\u2063")
 

@@ -47,9 +47,9 @@ from enginesmith.core.io_names import MAX_CUDA_BATCH
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
-from enginesmith.runtime.generate import check_budget
+from enginesmith.runtime.decoding.generate import check_budget
 from enginesmith.runtime.protocols import LoadedEngine
-from enginesmith.runtime.tokenizer import Tokenizer
+from enginesmith.runtime.text.tokenizer import Tokenizer
 
 SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"
 CAPACITY_KEY = "enginesmith.kv_capacity"

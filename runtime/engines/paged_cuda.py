@@ -3,7 +3,7 @@
 Runs a graph lowered by passes/lower/ort_paged_gqa.py (`build --for-cuda --kv paged`): every layer's
 attention is enginesmith's PagedGroupQueryAttention ORT op (rotary, the KV write through the slot
 mapping and paged attention in one op), the linear layers enginesmith's GEMV ops (cuBLAS from
-plugins/ort_ops kCublasMinRows rows on). It is the `PagedModel` of runtime.batching: the
+plugins/ort_ops kCublasMinRows rows on). It is the `PagedModel` of runtime.decoding.batching: the
 ContinuousBatcher schedules, this engine runs steps and samples.
 
 Dimension legend: L layers, NB pages, BS page size, Hkv, D head size, B rows of a step, S columns,
@@ -34,7 +34,7 @@ A step:
 On the CPU (tests, CI) the same graph runs through the ops' CPU kernels, with no graphs.
 
 Sliding windows: when every layer's op has a local_window_size (Mistral-style), `kv_window` is the
-largest and the scheduler's block manager gives back the pages behind it (runtime/block_manager.py);
+largest and the scheduler's block manager gives back the pages behind it (runtime/kv/block_manager.py);
 one global layer (Gemma 2/3 alternate them) needs every page of the one shared table: None.
 """
 
@@ -55,10 +55,10 @@ from enginesmith.core.errors import UserError
 from enginesmith.core.kv_layout import PagedStep, check_step
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins.limits import limits as kernel_limits
-from enginesmith.runtime.ort_cuda import (CAPACITY_KEY, _bind, _torch, cuda_session, device_argmax, run_captured,
-                                          sample_on_device)
+from enginesmith.runtime.engines.ort_cuda import (CAPACITY_KEY, _bind, _torch, cuda_session, device_argmax,
+                                                  run_captured, sample_on_device)
 from enginesmith.runtime.protocols import LoadedEngine
-from enginesmith.runtime.tokenizer import Tokenizer
+from enginesmith.runtime.text.tokenizer import Tokenizer
 
 SLACK_BYTES = 512 << 20   # kept free beyond the utilization share: cuBLAS workspaces, graph pools, sampling
 CPU_PAGES = 1024          # default pool on the CPU
@@ -108,7 +108,7 @@ def noise_seed(seed: int, index: int) -> int:
 
 
 class PagedCudaEngine:
-    """A PagedModel (runtime.batching) over a paged-GQA graph: `run(ids, step, picks)` per step."""
+    """A PagedModel (runtime.decoding.batching) over a paged-GQA graph: `run(ids, step, picks)` per step."""
 
     is_paged_model = True
     WARMUP_RUNS = 2

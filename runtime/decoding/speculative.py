@@ -30,10 +30,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.generate import check_budget
+from enginesmith.runtime.decoding.generate import check_budget
 from enginesmith.runtime.load import open_engine
 from enginesmith.runtime.protocols import Engine, LoadedEngine
-from enginesmith.runtime.sampling import SamplingParams, apply_repetition_penalty, probabilities
+from enginesmith.runtime.decoding.sampling import SamplingParams, apply_repetition_penalty, probabilities
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from enginesmith.core import io_names, kv_spec
 from enginesmith.core.errors import UserError
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.plugins import ort_ops
-from enginesmith.runtime.kv_dense import DenseKVCache
-from enginesmith.runtime.kv_paged import PagedKVCache
-from enginesmith.runtime.kv_h2o import H2OKVCache
-from enginesmith.runtime.kv_ring import RingKVCache
+from enginesmith.runtime.kv.kv_dense import DenseKVCache
+from enginesmith.runtime.kv.kv_paged import PagedKVCache
+from enginesmith.runtime.kv.kv_h2o import H2OKVCache
+from enginesmith.runtime.kv.kv_ring import RingKVCache
 from enginesmith.runtime.protocols import KVCache, OrtCache
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": None}

@@ -1,0 +1,1 @@
+"""Decoding over an Engine: sampling, generation, continuous batching, speculative decoding, chat sessions."""

@@ -1,0 +1,1 @@
+"""The engines: ONNX Runtime (CPU/CUDA), the CUDA GQA and paged engines, TensorRT."""

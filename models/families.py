@@ -81,6 +81,7 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "llama", "LlamaForCausalLM", "rms", ("default", "llama3"),
                tiny=("llama", "llama-hd64", "llama3")),
         Family("qwen2", "qwen2", "Qwen2ForCausalLM", "rms", tiny=("qwen2",)),
+        Family("seed_oss", "seed_oss", "SeedOssForCausalLM", "rms", tiny=("seed_oss",)),
         Family("mistral", "mistral", "MistralForCausalLM", "rms", optional=("sliding_window",),
                tiny=("mistral", "mistral-sw")),
         Family("gpt2", "gpt2", "GPT2LMHeadModel", "layer", features=("learned_positions",), tiny=("gpt2",)),

@@ -25,6 +25,10 @@ _TINY: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rope_theta=10000.0, tie_word_embeddings=False),
+    # ByteDance Seed-OSS: a Qwen2-shaped decoder (biases on q, k, v; none on o); its own model_type
+    "seed_oss": dict(model_type="seed_oss", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                     rope_theta=10000.0, attention_bias=True, attention_out_bias=False, tie_word_embeddings=False),
     "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
                     rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False),

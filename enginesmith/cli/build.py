@@ -8,6 +8,7 @@ from enginesmith.builder.engine import BuildConfig, build
 from enginesmith.cli.flags import add_kv_flags, add_model_flags
 from enginesmith.core.errors import UserError
 from enginesmith.core.out_paths import check_out
+from enginesmith.core.quant_spec import PRESETS
 from enginesmith.models import corpus
 
 
@@ -50,9 +51,7 @@ def add_parser(verbs) -> None:
                    help="fold a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into "
                         "the weights at export")
     g = p.add_argument_group("graph passes (see docs: SmoothQuant, W8A8, W4A16 RTN/AWQ/GPTQ, ...)")
-    g.add_argument("--quant", default=None, choices=["w8a8-naive", "w8a8-sq", "w4a16-rtn", "w4a16-awq",
-                                                     "w4a16-gptq", "w4a16-gptq-asym"],
-                   help="quantization preset")
+    g.add_argument("--quant", default=None, choices=list(PRESETS), help="quantization preset")
     g.add_argument("--passes", default=None, metavar="PIPELINE",
                    help="explicit passes, e.g. smoothquant:alpha=0.6,quantize_w8a8 (after --quant's)")
     g.add_argument("--block-size", type=int, default=128, help="W4A16 block size along K (32/64/128)")

@@ -110,3 +110,22 @@ def test_registry_declares_exactness_and_calibration():
     steps = parse_pipeline("sparsify:method=magnitude,awq,sparsify:method=wanda")
     assert [s.spec() for s in calibrated_steps(steps)] == ["awq", "sparsify"]
     assert all(info.doc for info in table.values())
+
+
+def test_a_new_preset_is_one_row_of_the_spec(monkeypatch, tmp_path):
+    """Adding a --quant preset touches core/quant_spec.py alone (and this test): with one row added, the
+    CLI offers it, `build` runs its passes and build.json records them."""
+    import json
+
+    from enginesmith import cli
+    from enginesmith.core import quant_spec
+
+    monkeypatch.setitem(quant_spec.PRESETS, "w8a8-sq-half", "smoothquant:alpha=0.6,quantize_w8a8")
+    assert [s.spec() for s in preset_steps("w8a8-sq-half")] == ["smoothquant:alpha=0.6", "quantize_w8a8"]
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97} and the {i}" for i in range(1200)))
+    out = tmp_path / "engine"
+    assert cli.main(["build", "--model", "tiny:llama", "--quant", "w8a8-sq-half", "--calib-text", str(text),
+                     "--calib-samples", "2", "--out", str(out)]) == 0
+    passes = json.loads((out / "build.json").read_text())["passes"]
+    assert "smoothquant:alpha=0.6" in passes and "quantize_w8a8" in passes, passes

@@ -99,22 +99,28 @@ def test_the_core_process_gives_the_tokens_of_the_in_process_loop(client, engine
     assert len(ttft) >= 10 and len(itl) >= 110
 
 
-def test_random_load_with_cancellations_leaks_no_page(client):
-    rng = np.random.default_rng(1)
-    before = client.stats()
+def random_load(client: CoreClient, seeds: list[int], most_sleep: float) -> None:
+    """One request per seed from 8 threads (prompts of 1..59 tokens, 1..39 new), half of them cancelled
+    after up to `most_sleep` s (some as stopped); every one must end with a "done" event."""
     ends: list[tuple] = []
 
     def one(i: int) -> None:
         r = np.random.default_rng(i)
         handle = client.submit(r.integers(0, 49152, int(r.integers(1, 60))).tolist(), int(r.integers(1, 40)))
         if r.random() < 0.5:
-            time.sleep(float(r.uniform(0, 0.3)))
+            time.sleep(float(r.uniform(0, most_sleep)))
             client.cancel(handle.request_id, stopped=bool(r.random() < 0.3))
-        ends.append(collect(handle)[1])
+        ends.append(collect(handle, timeout=120)[1])
 
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(one, rng.integers(0, 1 << 30, 40).tolist(), timeout=180))
-    assert len(ends) == 40 and all(end[0] == "done" for end in ends), ends
+        list(pool.map(one, seeds, timeout=300))
+    assert len(ends) == len(seeds) and all(end[0] == "done" for end in ends), ends
+
+
+def test_random_load_with_cancellations_leaks_no_page(client):
+    rng = np.random.default_rng(1)
+    before = client.stats()
+    random_load(client, rng.integers(0, 1 << 30, 40).tolist(), 0.3)
     stats = wait_for(lambda: (s := client.stats()).requests_finished + s.requests_cancelled
                      >= before.requests_finished + before.requests_cancelled + 40 and s)
     assert stats and stats.pages_used == 0 and stats.running == 0 and stats.waiting == 0 and client.in_flight == 0
@@ -285,19 +291,7 @@ def test_gpu_the_core_process_runs_the_cuda_paged_engine(paged_dir):  # noqa: F8
         got = [collect(c.submit(p, 24), timeout=120) for p in prompts]
         assert all(end == ("done", "length", None) for _, end in got)
         assert [tokens for tokens, _ in got] == in_process(paged_dir, prompts, 24, device="cuda")
-        ends: list[tuple] = []
-
-        def one(i: int) -> None:
-            r = np.random.default_rng(i)
-            handle = c.submit(r.integers(0, 49152, int(r.integers(1, 60))).tolist(), int(r.integers(1, 40)))
-            if r.random() < 0.5:
-                time.sleep(float(r.uniform(0, 0.05)))
-                c.cancel(handle.request_id, stopped=bool(r.random() < 0.3))
-            ends.append(collect(handle, timeout=120)[1])
-
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(one, range(40), timeout=300))
-        assert len(ends) == 40 and all(end[0] == "done" for end in ends), ends
+        random_load(c, list(range(40)), 0.05)
         stats = wait_for(lambda: (s := c.stats()).running == 0 and s.waiting == 0 and s, timeout=60)
         assert stats and stats.pages_used == 0 and c.in_flight == 0
     finally:

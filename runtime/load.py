@@ -6,6 +6,8 @@
     kv_layout.io "gqa-shared-buffer" (--for-cuda)  -> ort_cuda.open_gqa_engine    (GqaEngine)
     kv_layout.io "paged-gqa" (--for-cuda --kv paged) -> paged_cuda.open_paged_engine (PagedCudaEngine)
     any other onnxruntime engine                   -> OrtEngine (dense, ring or paged KV cache)
+
+`open_drafter` opens speculative decoding's drafter the same way (an n-gram drafter, or a draft engine).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from enginesmith.core.manifest import Manifest
 from enginesmith.core.onnxruntime_flavour import onnxruntime as ort  # checked: one line if missing or mixed
 from enginesmith.core.io_names import GQA_IO, PAGED_GQA_IO
 from enginesmith.runtime.engines.ort_cuda import kv_rows, open_gqa_engine
-from enginesmith.runtime.kv.kv_paged import OrtPagedModel
+from enginesmith.runtime.engines.ort_paged_model import OrtPagedModel
 from enginesmith.runtime.engines.ort_engine import OrtEngine, resolve_device
 from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.text.tokenizer import Tokenizer
 from enginesmith.runtime.engines.trt_engine import open_trt_engine
+from enginesmith.runtime.decoding.speculative import ModelDrafter, NgramDrafter, check_compatible, draft_model
 
 
 # Every exception type ONNX Runtime's binding raises (all plain Exception subclasses).
@@ -90,3 +93,17 @@ def paged_model(loaded: LoadedEngine, num_pages: int | None = None, memory_bytes
     per_page = len(engine.past_names) * page_size * engine.kv_heads * engine.head_dim * 4  # K and V, fp32 bound
     pages = num_pages or max(2, min(1 << 16, memory_bytes // max(per_page, 1)))
     return OrtPagedModel(engine, pages, loaded.manifest.kv_layout.capacity)
+
+
+def open_drafter(source: str | Path | LoadedEngine, target_vocab: int, target_tokenizer=None,
+                 device: str = "auto", threads: int | None = None):
+    """`"ngram"` -> NgramDrafter; `"draft:DIR"`, an engine directory DIR or an opened LoadedEngine
+    -> ModelDrafter. Refuses a draft whose vocabulary differs from the target's. The runtime opens
+    engine directories only: the caller builds a model spec first (the CLI, like --model)."""
+    if isinstance(source, str):
+        source = draft_model(source)
+        if source is None:
+            return NgramDrafter()
+    draft = source if isinstance(source, LoadedEngine) else open_engine(source, device=device, threads=threads)
+    check_compatible(draft.engine.vocab, target_vocab, draft.tokenizer, target_tokenizer)
+    return ModelDrafter(draft.engine)

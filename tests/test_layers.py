@@ -201,14 +201,9 @@ RUNTIME_BELOW = {
     "engines": {"protocols", "text", "kv", "decoding"},
     "load": {"protocols", "text", "kv", "decoding", "engines"},
 }
-# Arrows up that were there when the rooms came in (2026-11-28), to be removed; nothing may join.
-RUNTIME_UPWARD = {
-    # OrtPagedModel (the batcher's PagedModel over an OrtEngine) samples on the host; it is an engine
-    # living beside the paged pool it drives.
-    ("runtime/kv/kv_paged.py", "enginesmith.runtime.decoding.sampling"),
-    # open_drafter opens a draft engine from a path.
-    ("runtime/decoding/speculative.py", "enginesmith.runtime.load"),
-}
+# No arrow runs up: the two there when the rooms came in (2026-11-28) are gone (OrtPagedModel moved to
+# engines/, open_drafter to load.py). Kept as the place to name one, with its reason, should one be unavoidable.
+RUNTIME_UPWARD: set[tuple[str, str]] = set()
 
 
 def runtime_room(module: str) -> str:
@@ -248,7 +243,7 @@ MODULE_LINES, FUNCTION_LINES = 500, 80
 # may join this list. Kernels and generated tables are not Python and not counted.
 OVER_BUDGET = {"enginesmith/measure/http_load.py": 588, "runtime/engines/ort_cuda.py": 570,
                "runtime/decoding/batching.py": 552, "passes/lower/lower_gqa.py": 525,
-               "enginesmith/builder/engine.py:build": 92, "enginesmith/builder/trt_plan.py:build_plan": 86}
+               "enginesmith/builder/trt_plan.py:build_plan": 86}
 
 
 def test_modules_and_functions_stay_within_the_size_budget():

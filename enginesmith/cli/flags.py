@@ -102,11 +102,8 @@ def speculative_config(args) -> SpeculativeConfig | None:
 
 
 def speculative_decoder(args, loaded, spec: SpeculativeConfig) -> SpeculativeDecoder:
-    from enginesmith.runtime.decoding.speculative import (  # deferred: imports onnxruntime
-        SpeculativeDecoder,
-        draft_model,
-        open_drafter,
-    )
+    from enginesmith.runtime.decoding.speculative import SpeculativeDecoder, draft_model  # deferred: onnxruntime
+    from enginesmith.runtime.load import open_drafter  # deferred: with the line above
 
     where = draft_model(args.speculative)  # None for ngram
     if where is None:

@@ -194,7 +194,7 @@ def model_sizes(model, loaded=None) -> tuple[int | None, int]:
     graph, its pool's shape and (given the opened engine) its graph's weights."""
     kv = getattr(model, "kv_bytes_per_token", None)
     if kv is None:
-        pool = model.pool  # runtime.kv.kv_paged.OrtPagedModel: pools [NB, BS, Hkv, D], one per K and per V
+        pool = model.pool  # runtime.engines.ort_paged_model.OrtPagedModel: pools [NB, BS, Hkv, D], one per K and per V
         kv = len(pool.past) * pool.shape[2] * pool.shape[3] * pool.dtype.itemsize
     weights = getattr(model, "weight_bytes", None)
     if weights is None and loaded is not None:

@@ -39,7 +39,7 @@ A request's output does not depend on what it was batched with: greedy is the ar
 logits, and a sampled token is drawn with noise keyed by (the request's seed, the token's index),
 not by a generator shared with batch-mates (tested: equal to the request run alone).
 
-`PagedModel` is what the scheduler drives: `kv_paged.OrtPagedModel` (any ONNX Runtime paged graph,
+`PagedModel` is what the scheduler drives: `engines/ort_paged_model.OrtPagedModel` (any ONNX Runtime paged graph,
 sampling on the host) and `paged_cuda.PagedCudaEngine` (the CUDA paged engine, sampling on the device).
 """
 

@@ -24,15 +24,13 @@ Dimension legend: S tokens fed to the target in one call, V vocab. Speculation r
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding.generate import check_budget
-from enginesmith.runtime.load import open_engine
-from enginesmith.runtime.protocols import Engine, LoadedEngine
+from enginesmith.runtime.protocols import Engine
 from enginesmith.runtime.decoding.sampling import SamplingParams, apply_repetition_penalty, probabilities
 
 
@@ -176,20 +174,6 @@ def draft_model(spec: str) -> str | None:
     if kind != "draft" or not sep or not path:
         raise UserError(f"unknown speculative mode {spec!r}", "use --speculative ngram or --speculative draft:PATH")
     return path
-
-
-def open_drafter(source: str | Path | LoadedEngine, target_vocab: int, target_tokenizer=None,
-                 device: str = "auto", threads: int | None = None):
-    """`"ngram"` -> NgramDrafter; `"draft:DIR"`, an engine directory DIR or an opened LoadedEngine
-    -> ModelDrafter. Refuses a draft whose vocabulary differs from the target's. The runtime opens
-    engine directories only: the caller builds a model spec first (the CLI, like --model)."""
-    if isinstance(source, str):
-        source = draft_model(source)
-        if source is None:
-            return NgramDrafter()
-    draft = source if isinstance(source, LoadedEngine) else open_engine(source, device=device, threads=threads)
-    check_compatible(draft.engine.vocab, target_vocab, draft.tokenizer, target_tokenizer)
-    return ModelDrafter(draft.engine)
 
 
 def check_compatible(draft_vocab: int, target_vocab: int, draft_tokenizer=None, target_tokenizer=None) -> None:

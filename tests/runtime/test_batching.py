@@ -17,7 +17,7 @@ import pytest
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.decoding.generate import GenerationConfig, generate_ids
-from enginesmith.runtime.kv.kv_paged import OrtPagedModel
+from enginesmith.runtime.engines.ort_paged_model import OrtPagedModel
 from enginesmith.runtime.engines.ort_engine import OrtEngine
 from enginesmith.runtime.decoding.sampling import SamplingParams
 from helpers.paged_graphs import paged  # noqa: F401  (the fixture: dense and paged graphs, built once)

@@ -16,6 +16,7 @@ import torch
 
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding import speculative as sp
+from enginesmith.runtime.load import open_drafter
 from enginesmith.runtime.decoding.generate import GenerationConfig, generate, generate_ids
 from enginesmith.runtime.decoding.sampling import SamplingParams, probabilities
 
@@ -260,7 +261,7 @@ def test_bad_input_is_a_user_error():
         list(sp.speculative_tokens(target, sp.ModelDrafter(small), [1, 2], GenerationConfig(max_new_tokens=3),
                                    sp.SpeculativeConfig()))
     with pytest.raises(UserError, match="speculative mode"):
-        sp.open_drafter("bogus", 5)
+        open_drafter("bogus", 5)
 
     class Tok:
         def __init__(self, shift):
@@ -290,7 +291,7 @@ def test_bad_input_is_a_user_error():
 def test_open_drafter_refuses_a_draft_with_another_vocabulary(tiny_engine, tmp_path):
     """A draft engine whose vocabulary differs from the target's is refused before decoding."""
     with pytest.raises(UserError, match="vocabulary"):
-        sp.open_drafter(f"draft:{tiny_engine('llama')}", target_vocab=1000)
+        open_drafter(f"draft:{tiny_engine('llama')}", target_vocab=1000)
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -16,7 +16,7 @@ from helpers.paged_graphs import paged  # noqa: F401  (the fixture: dense and pa
 
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
-from enginesmith.runtime.kv.kv_paged import OrtPagedModel
+from enginesmith.runtime.engines.ort_paged_model import OrtPagedModel
 from enginesmith.runtime.engines.ort_engine import OrtEngine
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 

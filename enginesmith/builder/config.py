@@ -110,6 +110,11 @@ class BuildConfig:
             return
         if self.preset is not None and self.target != "trt":
             raise UserError("--preset is a TensorRT (Jetson) preset", "add --backend trt")
+        if self.kv_layout == "paged" and self.target == "trt":
+            sizes = kernel_limits()["paged_attention"]["block_sizes"]  # the plugin's kernels (plugins/limits.json)
+            if self.page_size not in sizes:
+                raise UserError(f"page size {self.page_size} is not one the PagedAttention plugin supports",
+                                f"use --page-size {', '.join(map(str, sizes))}")
         only_cuda = [flag for flag, given in (("--max-batch", self.max_batch is not None),
                                               ("--quantize-lm-head", self.quantize_lm_head),
                                               ("--custom-ops", self.custom_ops is not None),

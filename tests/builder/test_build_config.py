@@ -29,6 +29,7 @@ from enginesmith.core.errors import UserError
     (dict(target="ort-cuda", dtype="bf16", kv_layout="paged"), "paged attention op, which is fp16 (got --dtype bf16)"),
     (dict(target="ort-cuda", dtype="fp16", kv_layout="paged", custom_ops=False), "--kv paged needs the custom ops"),
     (dict(target="ort-cuda", dtype="fp16", kv_layout="paged", page_size=8), "--page-size 8 is not one the paged"),
+    (dict(target="trt", kv_layout="paged", page_size=8), "page size 8 is not one the PagedAttention plugin supports"),
 ])
 def test_each_refused_combination_says_what_and_why(kwargs, words):
     with pytest.raises(UserError) as info:

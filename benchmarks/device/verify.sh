@@ -188,11 +188,13 @@ done
 has_module() { python3 -P -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 
 # ------------------------------------------------------------------------------------------ setup
+unpack_corpus() {  # the Austen corpus (prompts of bench --requests and HF generate, calibration text), staged as
+                  # a file (see the README): unpacked once under $V; false while it is not staged
+    [ -f /tmp/stage/files/janeaustenr.tar.gz ] || return 1
+    [ -d "$V/janeaustenr/data" ] || tar xzf /tmp/stage/files/janeaustenr.tar.gz -C "$V"
+}
 if wants setup; then
-    # the Austen corpus (prompts of bench --requests and HF generate): staged as a file, see the README
-    if [ -f /tmp/stage/files/janeaustenr.tar.gz ] && [ ! -d "$V/janeaustenr/data" ]; then
-        tar xzf /tmp/stage/files/janeaustenr.tar.gz -C "$V"
-    fi
+    unpack_corpus
     step setup install 240 env -u ENGINESMITH_KERNEL_ARCHS python3 -m pip install -q --no-deps \
         --no-build-isolation --upgrade --target /tmp/site "$REPO"
     [ "$DETACH" = 1 ] || step -o "$V/setup_check.json" setup check 120 python3 -P "$REPO/benchmarks/device/summarize.py" --probe
@@ -323,11 +325,8 @@ engines_lane_kvquant() {  # the engines kv_quant_bench.py builds for KV_ARGS (ca
     # on a 1B model): wait for the staged onnxruntime-gpu when this runs detached during the staging
     while ! python3 -P -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null \
             && [ "$t" -lt 600 ]; do sleep 10; t=$((t + 10)); done
-    # the calibration text (the Austen corpus), staged after a detached start may have begun
-    if [ -z "${ENGINESMITH_JANEAUSTENR:-}" ] && [ -f /tmp/stage/files/janeaustenr.tar.gz ]; then
-        [ -d "$V/janeaustenr/data" ] || tar xzf /tmp/stage/files/janeaustenr.tar.gz -C "$V"
-        export ENGINESMITH_JANEAUSTENR="$V/janeaustenr"
-    fi
+    # the calibration text, staged after a detached start may have begun
+    [ -n "${ENGINESMITH_JANEAUSTENR:-}" ] || { unpack_corpus && export ENGINESMITH_JANEAUSTENR="$V/janeaustenr"; }
     for layout in paged dense; do
         step engines "kvquant_$layout" 900 python3 -P -c "import sys; sys.path.insert(0, '$REPO/benchmarks/quant')
 import kv_quant_bench as k; print(k.engines('$MODEL', 32768 + 30 + 64, 8, '$layout'))" &

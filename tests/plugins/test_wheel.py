@@ -124,12 +124,13 @@ def test_a_bad_prebuilt_folder_fails_the_wheel_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def compiled_build(request, ort_ops_lib) -> Path:
     """A CMake build folder of these sources holding both libraries for one arch: the session's shared
-    build (tests/helpers/plugin_build.py) with the kernels target added (it reuses the ops' paged-attention
-    objects), or $ENGINESMITH_PLUGINS_BUILD when it holds both."""
+    build (tests/helpers/plugin_build.py) with the kernels target built there too (ninja rebuilds it if
+    an earlier session left it behind its sources; it reuses the ops' paged-attention objects), or
+    $ENGINESMITH_PLUGINS_BUILD when it holds both."""
     folder = ort_ops_lib.parent
-    if all((folder / lib).is_file() for lib in LIBS) and (folder / "CMakeCache.txt").is_file():
-        return folder
     if os.environ.get("ENGINESMITH_ORT_OPS_LIB") or os.environ.get(plugin_compile.BUILD_ENV):
+        if all((folder / lib).is_file() for lib in LIBS) and (folder / "CMakeCache.txt").is_file():
+            return folder
         missing(f"{folder} is not a CMake build folder of both libraries (named by the environment)",
                 "point ENGINESMITH_PLUGINS_BUILD at a build folder of both libraries, or unset the variables")
     built = compile_targets(request.config, ("enginesmith_kernels",), what="the kernels library")

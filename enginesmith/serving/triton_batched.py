@@ -59,6 +59,7 @@ class Replies(Protocol):
     def final(self, sender: Any, text: str, token_ids: list[int], finish_reason: str) -> None: ...
     def cancelled(self, sender: Any) -> None: ...
     def error(self, sender: Any, message: str, code_name: str) -> None: ...
+    def is_cancelled(self, request: Any) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -198,7 +199,7 @@ class BatchedRequests:
         if not stream.open:
             return False
         try:
-            return bool(stream.request.is_cancelled())
+            return self.replies.is_cancelled(stream.request)
         except Exception:  # the request is gone on the server's side: nothing to cancel
             return False
 

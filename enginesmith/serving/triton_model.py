@@ -211,10 +211,17 @@ class _Stopping(Exception):
 
 
 class TritonReplies:
-    """The model's responses through Triton's python backend (`pb`: triton_python_backend_utils)."""
+    """The model's calls into Triton's python backend after `execute` (`pb`: triton_python_backend_utils):
+    its responses, is_cancelled and is_model_ready, one at a time.
+
+    Each of them is a message to the server and a wait for its answer. Triton 2.51's stub does not take
+    them from several threads at once: with a worker sending a stream's responses while the unload
+    watcher asked is_model_ready, a SIGTERM crashed the server (boost lock_exception) or hung it, about
+    one time in five on a loaded machine. One lock makes them take turns."""
 
     def __init__(self, pb: Any, log: Any) -> None:
         self.pb, self.log = pb, log
+        self._turn = threading.Lock()
 
     def _response(self, text: str, token_ids: list[int] | None = None, finish: str | None = None) -> Any:
         tensors = [self.pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
@@ -224,24 +231,40 @@ class TritonReplies:
             tensors.append(self.pb.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
+    def _send(self, sender: Any, response: Any = None, final: bool = False) -> None:
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        with self._turn:
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+
     def text(self, sender: Any, text: str) -> None:
-        sender.send(self._response(text))
+        self._send(sender, self._response(text))
 
     def final(self, sender: Any, text: str, token_ids: list[int], finish_reason: str) -> None:
-        sender.send(self._response(text, token_ids, finish_reason), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._send(sender, self._response(text, token_ids, finish_reason), final=True)
 
     def cancelled(self, sender: Any) -> None:
-        sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._send(sender, final=True)
 
     def error(self, sender: Any, message: str, code_name: str) -> None:
         error_type = self.pb.TritonError
         code = getattr(error_type, code_name, None)
         error = error_type(message, code) if code is not None else error_type(message)
         try:
-            sender.send(self.pb.InferenceResponse(output_tensors=[], error=error),
-                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._send(sender, self.pb.InferenceResponse(output_tensors=[], error=error), final=True)
         except Exception as exc:  # the client went away: nothing left to tell
             self.log.log_warn(f"enginesmith: could not send the error response: {exc}")
+
+    def is_cancelled(self, request: Any) -> bool:
+        with self._turn:
+            return bool(request.is_cancelled())
+
+    def model_ready(self, name: str, version: str) -> bool:
+        """pb.is_model_ready; an exception (the server is stopping: "Server not ready") propagates."""
+        with self._turn:
+            return bool(self.pb.is_model_ready(model_name=name, model_version=version))
 
 
 class TritonPythonModel:
@@ -369,8 +392,7 @@ class TritonPythonModel:
     def _watch(self) -> None:
         """Poll `is_model_ready` while requests are open: an unload has begun when it says no (or the
         server, exiting, refuses to answer). Idle, the model holds nothing that delays an unload."""
-        is_ready = getattr(self.pb, "is_model_ready", None)
-        if is_ready is None:
+        if getattr(self.pb, "is_model_ready", None) is None:
             self.log.log_warn("enginesmith: this python backend has no is_model_ready; open streams will hold "
                               "an unload until they end")
             return
@@ -378,7 +400,7 @@ class TritonPythonModel:
             if not self._open_count():
                 continue
             try:
-                ready = is_ready(model_name=self.model_name, model_version=self.model_version)
+                ready = self.replies.model_ready(self.model_name, self.model_version)
             except Exception as exc:  # "Server not ready": the server is stopping
                 self.log.log_info(f"enginesmith: is_model_ready failed ({exc})")
                 ready = False
@@ -460,7 +482,7 @@ class TritonPythonModel:
                 break
             if self.stopping.is_set():  # dropping the generator ends it
                 raise _Stopping()
-            if request.is_cancelled():
+            if self.replies.is_cancelled(request):
                 self.replies.cancelled(sender)
                 return
             if deltas[0]:

@@ -19,6 +19,7 @@ import urllib.error
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -91,17 +92,6 @@ def _start_server(engine: Path, work: Path) -> TritonServer:
 @pytest.fixture(scope="module")
 def server(smollm2_engine, tmp_path_factory):
     srv = _start_server(smollm2_engine, tmp_path_factory.mktemp("triton"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def fresh_server(smollm2_engine, tmp_path):
-    """A server of its own, whose model was loaded once at start. (Triton 2.51, on a loaded machine,
-    sometimes fails a SIGTERM that follows an unload and reload of the model: the python backend's
-    finalize aborts on its own python_env folder being gone, or the stub stops answering mid-stream;
-    both were seen in the shared server after test_unload_ends_an_open_stream_at_once. docs/deploy.md.)"""
-    srv = _start_server(smollm2_engine, tmp_path)
     yield srv
     srv.stop()
 
@@ -283,29 +273,66 @@ def test_unload_ends_an_open_stream_at_once(server):
     assert server.ready(MODEL)
 
 
-def test_sigterm_with_an_open_stream_stops_gracefully(fresh_server):
+@dataclass
+class SigtermRun:
+    status: int | None      # tritonserver's exit status, None if it was still running 30 s after SIGTERM
+    took: float
+    got: dict               # what the open stream got
+    left: list[str]         # what the server left behind (shm regions, python_env folders, processes)
+    log: str
+
+    @property
+    def model_never_acted(self) -> bool:
+        """Nothing of the model's in the log after the signal: the stub's last call into Triton never
+        returned (the Triton 2.51 hang of docs/deploy.md), or the server died before the model could act."""
+        after = self.log.split("Signal (15) received.", 1)[-1]
+        return "enginesmith: " not in after
+
+
+def _sigterm_with_an_open_stream(srv: TritonServer) -> SigtermRun:
+    stream = OpenStream(grpc_stream, srv.grpc_url, LONG["text_input"],
+                        **{k: v for k, v in LONG.items() if k != "text_input"})
+    begun = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        status: int | None = srv.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        status = None
+    took = time.monotonic() - begun
+    left = srv.stop(timeout=1)  # it had its 30 s
+    got = stream.wait(30)
+    return SigtermRun(status, took, got, left, srv.log_tail(100_000))
+
+
+def test_sigterm_with_an_open_stream_stops_gracefully(smollm2_engine, tmp_path):
     """SIGTERM by PID while a gRPC stream is open: the stream ends with an error, the model unloads,
     the stub finalizes, and tritonserver exits 0 within seconds, leaving nothing behind.
+
+    Each run has a server of its own, its model loaded once at start (Triton 2.51 fails a SIGTERM
+    after an unload and reload more often; docs/deploy.md). In about one run in ten on this loaded
+    2-core machine, Triton 2.51 never answers the model's is_model_ready after the signal: the model
+    logs nothing more and the server hangs past its exit timeout (docs/deploy.md). Such a run is
+    repeated once, on a new server, and the second run must pass whole; a run where the model acted
+    and something else went wrong fails at once.
 
     (An open HTTP SSE stream cannot be ended this way: Triton 2.51 first waits up to
     --exit-timeout-secs for HTTP connections to close and tells no model about it; see
     docs/deploy.md.)"""
-    stream = OpenStream(grpc_stream, fresh_server.grpc_url, LONG["text_input"],
-                        **{k: v for k, v in LONG.items() if k != "text_input"})
-    pid = fresh_server.proc.pid
-    begun = time.monotonic()
-    fresh_server.proc.send_signal(signal.SIGTERM)
-    try:
-        status = fresh_server.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"tritonserver did not exit 30 s after SIGTERM:\n{fresh_server.log_tail(3000)}")
-    took = time.monotonic() - begun
-    got = stream.wait(30)
-    left = fresh_server.stop()
-    log = fresh_server.log_tail(100_000)
-    assert "Exit timeout expired" not in log, log[-3000:]
-    assert status == 0, f"tritonserver exited with {status}:\n{log[-3000:]}"
-    assert took < 5, f"tritonserver took {took:.1f} s to stop"  # within --exit-timeout-secs=5
-    assert "the model is being unloaded" in got.get("error", ""), got
-    assert left == [], f"tritonserver (pid {pid}) left {left}"
-    assert not Path(f"/proc/{pid}").exists()
+    for attempt in (1, 2):
+        srv = _start_server(smollm2_engine, tmp_path / f"run{attempt}")
+        try:
+            pid = srv.proc.pid
+            run = _sigterm_with_an_open_stream(srv)
+        finally:
+            srv.stop()
+        if attempt == 1 and run.model_never_acted:
+            continue
+        tail = run.log[-3000:]
+        assert run.status is not None, f"tritonserver did not exit 30 s after SIGTERM:\n{tail}"
+        assert "Exit timeout expired" not in run.log, tail
+        assert run.status == 0, f"tritonserver exited with {run.status}:\n{tail}"
+        assert run.took < 5, f"tritonserver took {run.took:.1f} s to stop"  # within --exit-timeout-secs=5
+        assert "the model is being unloaded" in run.got.get("error", ""), run.got
+        assert run.left == [], f"tritonserver (pid {pid}) left {run.left}"
+        assert not Path(f"/proc/{pid}").exists()
+        return

@@ -2,7 +2,9 @@
 and against a real tritonserver (the nvidia-pytriton wheel's binary) serving the same CUDA paged engine, one
 after the other on one GPU. `ours` is `serve` as a user starts it (on a GPU its engine core runs in a process
 of its own, --engine-core auto); `core` and `thread` name the engine core's place explicitly
-(`serve --engine-core process | thread`). Each server is started on 127.0.0.1 and stopped by its PID.
+(`serve --engine-core process | thread`); `triton` is Triton's model over an engine core process
+(`enginesmith triton`'s default on a GPU), `triton_thread` with its loop in the model's stub. Each server
+is started on 127.0.0.1 and stopped by its PID.
 
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 128 --out-dir $OUT [--servers ours,triton]
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 64,128 \
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import subprocess
@@ -78,20 +79,23 @@ def ours(args, out_dir: Path, name: str = "ours", extra: tuple[str, ...] = ()) -
             proc.wait()
 
 
-def triton(args, out_dir: Path) -> dict:
+def triton(args, out_dir: Path, name: str = "triton", engine_core: str = "auto") -> dict:
+    """A real tritonserver on the engine; `engine_core` as `enginesmith triton --engine-core` (auto: the
+    scheduler loop in an engine core process on the GPU; thread: in the model's stub)."""
     from enginesmith.serving.triton_repository import write_model_repository
 
     work = Path(tempfile.mkdtemp(prefix="es_triton_gpu_"))
     write_model_repository(args.engine, work / "repo", "m", execution_env=model_env(), device="cuda",
-                           max_tokens=args.new_tokens, verify_hashes=False, max_waiting=1024)
+                           max_tokens=args.new_tokens, verify_hashes=False, max_waiting=1024, engine_core=engine_core)
     server = TritonServer(work / "repo", work)
+    out = out_dir / f"bench_serve_{name}.json"
     try:
         server.start(["m"], timeout=600)
-        return bench(f"http://{server.http_url}", args.engine, args, "triton", "m", out_dir / "bench_serve_triton.json")
+        return bench(f"http://{server.http_url}", args.engine, args, "triton", "m", out)
     except Exception as exc:  # noqa: BLE001 - reported, with the server's log
         log = server.log_tail(6000) if server.proc is not None else ""
         result = {"error": f"{type(exc).__name__}: {exc}"[:3000], "server_log_tail": log}
-        (out_dir / "bench_serve_triton.json").write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
         return result
     finally:
         if server.proc is not None:
@@ -109,15 +113,17 @@ def main() -> None:
     ap.add_argument("--procs", default="auto",
                     help="bench serve's client processes (default auto: one per 32 streams, so 4 at 128; one "
                          "process reads ~25k events/s and must not cap the figure)")
-    ap.add_argument("--servers", default="ours,triton", help="any of ours, core, thread, replicas, triton")
+    ap.add_argument("--servers", default="ours,triton", help="any of ours, core, thread, replicas, triton, triton_thread")
     ap.add_argument("--devices", default="0,1", help="replicas: the GPUs (serve --devices)")
     ap.add_argument("--out-dir", type=Path, required=True)
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = {}
     for name in args.servers.split(","):
-        if name == "triton":
+        if name == "triton":  # the model over an engine core process (enginesmith triton's default on a GPU)
             result = triton(args, args.out_dir)
+        elif name == "triton_thread":  # the model's scheduler loop in its stub (enginesmith triton --engine-core thread)
+            result = triton(args, args.out_dir, name, "thread")
         elif name == "replicas":  # one replica per GPU behind serve's front door
             result = ours(args, args.out_dir, "replicas", ("--devices", args.devices))
         elif name == "core":  # the BatcherLoop in an engine core process of its own (serve --engine-core process)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from enginesmith.builder.engine import BuildConfig, cached_engine
 from enginesmith.cli import bounds
+from enginesmith.serving.engine_core import PLACEMENTS, core_placement
 from enginesmith.cli.flags import add_model_flags, load_engine
 from enginesmith.core.errors import UserError
 from enginesmith.serving.replicas import FRONT_DOOR_PID_ENV, ReplicaSet, ReplicaSpec, cuda_visible, watch_front_door
@@ -114,7 +115,7 @@ def add_parser(verbs) -> None:
     s.add_argument("--num-pages", type=int, default=None, metavar="K",
                    help="KV pages in the pool (default: what 1 GiB holds on the CPU; --gpu-memory-utilization of "
                         "the GPU for a --for-cuda engine)")
-    s.add_argument("--engine-core", choices=("auto", "thread", "process"), default="auto",
+    s.add_argument("--engine-core", choices=PLACEMENTS, default="auto",
                    help="where the scheduler and the engine steps run: thread, a thread of the server process; "
                         "process, a child process that does nothing else, so HTTP, tokenization and "
                         "detokenization do not share its GIL; auto (default): process on a GPU, thread on the "
@@ -228,7 +229,7 @@ def cmd_serve(args) -> int:
     if devices is not None or args.replicas > 1:
         return _serve_replicas(args, device, devices, config, api_key)
     watch_front_door()  # a replica of a front door: drain once that is gone
-    if engine_core(args.engine_core, device) == "process":
+    if core_placement(args.engine_core, device) == "process":
         return _serve_core_process(args, device, config, api_key)
     args.batch = args.max_batch  # a --for-cuda paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args, config)
@@ -244,15 +245,6 @@ def cmd_serve(args) -> int:
                       f"of {model.page_size} tokens{', API key required' if api_key else ''}")
     finally:
         loop.close()
-
-
-def engine_core(choice: str, device: str) -> str:
-    """--engine-core auto: the engine core in a process of its own on a GPU, where the engine's steps are
-    fast enough for the front end's work under the same GIL to cost throughput; a thread of the server on
-    the CPU, where the engine is the bottleneck and a second process only competes for the cores."""
-    if choice != "auto":
-        return choice
-    return "process" if device == "cuda" else "thread"
 
 
 def _serve_core_process(args, device: str, config: BuildConfig | None, api_key: str | None) -> int:

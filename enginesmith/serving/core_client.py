@@ -129,7 +129,9 @@ class CoreClient:
                sink: Callable[[Event], None] | None = None) -> Handle:
         """Send a request to the core; its events go to `sink` (or the handle's queue). UserError,
         Overloaded and Draining as BatcherLoop.submit; stop strings are checked, not sent (see above)."""
-        if not self._accepting or self._failure is not None:
+        if self._failure is not None:
+            raise Draining(self._failure)
+        if not self._accepting:
             raise Draining("the server is shutting down")
         self.batcher.check_request(prompt, max_new_tokens, stop_strings)
         with self._lock:

@@ -38,6 +38,20 @@ from enginesmith.core.errors import EngineError, UserError
 FRONT_END_GONE_WAIT_S = 10.0   # the most the core waits for cancelled requests to give their pages back
 PARENT_POLL_S = 0.5
 CORE_MAX_WAITING = 1 << 30     # the front end bounds the queue (it answers 429); the core takes what it is sent
+PLACEMENTS = ("auto", "thread", "process")  # serve --engine-core, Triton's ENGINE_CORE
+
+
+def core_placement(choice: str, device: str) -> str:
+    """Where the engine core runs, "thread" or "process", for `choice` (PLACEMENTS): auto is a process of
+    its own on a GPU, where the engine's steps are fast enough for the front end's work under the same
+    GIL to cost throughput; a thread of the server on the CPU, where the engine is the bottleneck and a
+    second process only competes for the cores."""
+    if choice not in PLACEMENTS:
+        raise UserError(f"engine core placement {choice!r} is not one of {', '.join(PLACEMENTS)}",
+                        f"give one of {', '.join(PLACEMENTS)}")
+    if choice != "auto":
+        return choice
+    return "process" if device == "cuda" else "thread"
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class CoreSpec:
     chunk: int = 64
     gpu_memory_utilization: float = 0.9
     cpu_max_batch: int = 16
+    verify_hashes: bool = True       # sha256 every engine file before opening it
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,8 @@ def open_loop(spec: CoreSpec, after_iteration):
     from enginesmith.runtime.load import open_engine  # deferred: the runtime, once the spec arrived
     from enginesmith.serving.loop import BatcherLoop, serving_model  # deferred: imports the runtime
 
-    loaded = open_engine(spec.engine, device=spec.device, threads=spec.threads, max_batch=spec.max_batch or 1,
+    loaded = open_engine(spec.engine, device=spec.device, threads=spec.threads, verify_hashes=spec.verify_hashes,
+                         max_batch=spec.max_batch or 1,
                          num_pages=spec.num_pages, gpu_memory_utilization=spec.gpu_memory_utilization)
     model, scheduler = serving_model(loaded, spec.num_pages, spec.max_batch, spec.cpu_max_batch, spec.chunk)
     max_batch = scheduler.max_batch

@@ -42,13 +42,14 @@ from enginesmith.serving.text_stream import TextStream
 DEFAULT_MAX_BATCH = 32   # rows per step when the engine sets none (the CPU paged graphs; SmolLM2-135M on 2 cores:
                          # 79 ms a decode step alone, 5.7 ms a row at 32 rows, 7.1 ms at 50)
 STEP_TOKENS = 512        # new tokens per step, all rows together (prefill chunks share it)
+CHUNK = 64               # prompt tokens per row per step, at most (and at most what the engine's attention takes)
 
 
 def scheduler_config(model: Any, max_batch: int = 0) -> SchedulerConfig:
     """Rows per step: `max_batch`, else the engine's own (a CUDA paged engine's), else DEFAULT_MAX_BATCH;
     a step budget that decodes every row and still prefills a chunk."""
     rows = max_batch or getattr(model, "max_batch", None) or DEFAULT_MAX_BATCH
-    chunk = min(64, getattr(model, "max_chunk", None) or 64)
+    chunk = min(CHUNK, getattr(model, "max_chunk", None) or CHUNK)
     return SchedulerConfig(max_batch=rows, max_tokens=max(rows, chunk, STEP_TOKENS), chunk=chunk)
 
 

@@ -42,13 +42,19 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
 from enginesmith.runtime.decoding.generate import MAX_NEW_TOKENS, GenerationConfig, stream
+from enginesmith.runtime.engines.ort_engine import resolve_device
 from enginesmith.runtime.load import open_engine, paged_model
+from enginesmith.runtime.protocols import LoadedEngine
+from enginesmith.runtime.text.tokenizer import Tokenizer
 from enginesmith.runtime.decoding.sampling import SamplingParams
+from enginesmith.serving.core_client import CoreClient
+from enginesmith.serving.engine_core import CoreSpec, core_placement
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
-from enginesmith.serving.triton_batched import BatchedRequests, scheduler_config
+from enginesmith.serving.triton_batched import CHUNK, DEFAULT_MAX_BATCH, BatchedRequests, scheduler_config
 from enginesmith.serving.triton_repository import DEFAULT_MAX_TOKENS, INPUTS, ModelOptions, is_paged
 
 
@@ -197,6 +203,31 @@ def _open(path: Path, options: ModelOptions, params: Mapping[str, str]) -> Any:
                        max_batch=options.max_batch or None, num_pages=options.num_pages or None)
 
 
+def _core_spec(path: Path, options: ModelOptions) -> CoreSpec | None:
+    """How to start an engine core process for this model (ENGINE_CORE: auto is a process on a GPU), or
+    None to open the engine here: a paged ONNX Runtime engine only (a TensorRT engine, and an engine
+    without paged KV, stay in this process)."""
+    if core_placement(options.engine_core, resolve_device(options.device)) != "process":
+        return None
+    manifest = engine_dir.read_manifest(path)
+    if not is_paged(manifest) or manifest.backend.name != "onnxruntime":
+        return None
+    return CoreSpec(str(path), resolve_device(options.device), options.threads or None, options.max_batch or None,
+                    options.num_pages or None, chunk=CHUNK, cpu_max_batch=DEFAULT_MAX_BATCH,
+                    verify_hashes=options.verify_hashes)
+
+
+def _open_core(spec: CoreSpec, options: ModelOptions) -> tuple[LoadedEngine, CoreClient, str]:
+    """The engine core process on `spec` (it verifies and opens the engine) and, here, what the model
+    needs besides: the manifest and the tokenizer."""
+    client = CoreClient.start(spec, options.max_waiting)
+    path = Path(spec.engine)
+    loaded = LoadedEngine(path, engine_dir.read_manifest(path), None, Tokenizer(path / "tokenizer"))
+    info = client.info
+    return loaded, client, (f"an engine core process (pid {client.pid}; {info.max_batch} rows per step, "
+                            f"{info.num_pages - 1} KV pages, up to {options.max_waiting} waiting)")
+
+
 # While requests are open, how often to ask Triton whether this model is still ready (see _watch).
 UNLOAD_POLL_S = 0.25
 # On an unload, how long a paged engine's requests in flight may run on before they are ended.
@@ -306,7 +337,8 @@ class TritonPythonModel:
             if params.get(key):
                 params[key] = ",".join(p if Path(p).is_absolute() else str(model_dir / p)
                                        for p in params[key].split(","))
-        self.loaded = _open(path, self.options, params)
+        core = _core_spec(path, self.options)
+        self.loaded, loop, how = _open_core(core, self.options) if core else self._open_here(path, params)
         # A TensorRT engine has one execution context and static buffers: one generation at a time.
         trt = self.loaded.manifest.backend.name == "tensorrt"
         self.exclusive: Any = threading.Lock() if trt else contextlib.nullcontext()
@@ -317,14 +349,8 @@ class TritonPythonModel:
         self.open_requests = 0
         self.batched: BatchedRequests | None = None
         self.workers: list[threading.Thread] = []
-        if is_paged(self.loaded.manifest):
-            model = paged_model(self.loaded, self.options.num_pages or None)
-            scheduler = scheduler_config(model, self.options.max_batch)
-            loop = BatcherLoop(model, scheduler, max_waiting=self.options.max_waiting,
-                               decode=self.loaded.tokenizer.decode)
+        if loop is not None:
             self.batched = BatchedRequests(loop, self.loaded.tokenizer, self.stop_ids, self.replies, self.log, STOPPING)
-            how = (f"one scheduler loop ({scheduler.max_batch} rows per step, {model.num_pages - 1} KV pages, "
-                   f"up to {self.options.max_waiting} waiting)")
         else:
             self.workers = [threading.Thread(target=self._work, name=f"enginesmith-worker-{i}", daemon=True)
                             for i in range(self.options.workers)]
@@ -335,6 +361,17 @@ class TritonPythonModel:
         where = f" on GPU {gpu}" if gpu is not None else ""
         special = "; request text may spell special tokens" if self.options.special_tokens_in_text else ""
         self.log.log_info(f"enginesmith: serving {path}{where} with {how}{special}")
+
+    def _open_here(self, path: Path, params: Mapping[str, str]) -> tuple[Any, Any, str]:
+        """The engine opened in this process: (loaded, its scheduler loop if paged else None, how it serves)."""
+        loaded = _open(path, self.options, params)
+        if not is_paged(loaded.manifest):
+            return loaded, None, ""
+        model = paged_model(loaded, self.options.num_pages or None)
+        scheduler = scheduler_config(model, self.options.max_batch)
+        loop = BatcherLoop(model, scheduler, max_waiting=self.options.max_waiting, decode=loaded.tokenizer.decode)
+        return loaded, loop, (f"one scheduler loop ({scheduler.max_batch} rows per step, {model.num_pages - 1} "
+                              f"KV pages, up to {self.options.max_waiting} waiting)")
 
     def execute(self, requests: list) -> None:
         if self.batched is not None:
@@ -439,7 +476,8 @@ class TritonPythonModel:
         except Overloaded as exc:
             self.replies.error(sender, f"the model is overloaded: {exc}", "UNAVAILABLE")
         except Draining:
-            self.replies.error(sender, STOPPING, "UNAVAILABLE")
+            failure = getattr(batched.loop, "failure", None)  # an engine core that died
+            self.replies.error(sender, f"the model cannot serve: {failure}" if failure else STOPPING, "UNAVAILABLE")
         except Exception as exc:  # never let one request take the stub down
             self.log.log_error(f"enginesmith: request failed: {type(exc).__name__}: {exc}")
             self.replies.error(sender, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL")

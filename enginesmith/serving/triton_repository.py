@@ -55,6 +55,7 @@ from typing import Any, Mapping, Sequence
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import Manifest
+from enginesmith.serving.engine_core import PLACEMENTS
 
 MODEL_SHIM = '''"""Triton python-backend model written by `enginesmith triton`; the logic lives in the package."""
 from enginesmith.serving.triton_model import TritonPythonModel  # noqa: F401
@@ -107,6 +108,9 @@ class ModelOptions:
     max_batch: int = 0
     num_pages: int = 0
     max_waiting: int = DEFAULT_MAX_WAITING
+    # a paged ONNX Runtime engine's scheduler loop: in the stub's process (thread) or an engine core
+    # process of its own (process); auto: a process on a GPU (serving/engine_core.py, core_placement)
+    engine_core: str = "auto"
 
     def parameters(self) -> dict[str, str]:
         return {"ENGINE_DIR": self.engine, "DEVICE": self.device, "THREADS": str(self.threads),
@@ -114,7 +118,7 @@ class ModelOptions:
                 "DEFAULT_MAX_TOKENS": str(self.max_tokens),
                 "SPECIAL_TOKENS_IN_TEXT": "1" if self.special_tokens_in_text else "0",
                 "MAX_BATCH": str(self.max_batch), "NUM_PAGES": str(self.num_pages),
-                "MAX_WAITING": str(self.max_waiting)}
+                "MAX_WAITING": str(self.max_waiting), "ENGINE_CORE": self.engine_core}
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "ModelOptions":
@@ -135,6 +139,13 @@ class ModelOptions:
                 raise UserError(f"config parameter {key}={raw!r} is not 0 or 1", f"set {key} to 0 or 1 in config.pbtxt")
             return raw in ("1", "true", "True")
 
+        def choice(key: str, default: str, allowed: Sequence[str]) -> str:
+            raw = params.get(key, default)
+            if raw not in allowed:
+                raise UserError(f"config parameter {key}={raw!r} is not one of {', '.join(allowed)}",
+                                f"set {key} to one of them in config.pbtxt")
+            return raw
+
         if not params.get("ENGINE_DIR"):
             raise UserError("config.pbtxt has no ENGINE_DIR parameter",
                             "regenerate the repository with `enginesmith triton`")
@@ -144,7 +155,8 @@ class ModelOptions:
                    max_tokens=integer("DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS, 1),
                    special_tokens_in_text=flag("SPECIAL_TOKENS_IN_TEXT", False),
                    max_batch=integer("MAX_BATCH", 0, 0), num_pages=integer("NUM_PAGES", 0, 0),
-                   max_waiting=integer("MAX_WAITING", DEFAULT_MAX_WAITING, 1))
+                   max_waiting=integer("MAX_WAITING", DEFAULT_MAX_WAITING, 1),
+                   engine_core=choice("ENGINE_CORE", "auto", PLACEMENTS))
 
 
 def is_paged(manifest: Manifest) -> bool:
@@ -290,7 +302,7 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
                            verify_hashes: bool = True, max_tokens: int = DEFAULT_MAX_TOKENS,
                            special_tokens_in_text: bool = False, force: bool = False, max_batch: int = 0,
                            num_pages: int = 0, max_waiting: int = DEFAULT_MAX_WAITING,
-                           gpus: Sequence[int] = ()) -> Path:
+                           gpus: Sequence[int] = (), engine_core: str = "auto") -> Path:
     """Write `<out_repo>/<model_name>/` for `engine`; return that model directory.
 
     The model directory is written atomically (nothing is left behind on failure); other models in
@@ -298,7 +310,8 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
     model in (EXECUTION_ENV_PATH: a venv directory or a venv-pack tarball with enginesmith and
     numpy<2 installed); without it, the stub uses the first `python3` on the server's PATH.
     `max_batch`, `num_pages` and `max_waiting` size the scheduler loop of a paged engine (0: the
-    engine's own, see ModelOptions); `gpus` writes one instance group per GPU (module docstring).
+    engine's own, see ModelOptions), and `engine_core` says where it runs; `gpus` writes one instance
+    group per GPU (module docstring).
     """
     engine = Path(engine).resolve()
     if not model_name or any(c in model_name for c in "/\\ \"'") or model_name.startswith("."):
@@ -311,6 +324,8 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
         raise UserError(f"max_batch={max_batch}, num_pages={num_pages}, max_waiting={max_waiting}: the scheduler "
                         "needs max_batch >= 0, num_pages 0 or >= 2 and max_waiting >= 1 (0 = the engine's own)",
                         "fix the values")
+    if engine_core not in PLACEMENTS:
+        raise UserError(f"unknown engine core placement {engine_core!r}", f"use {', '.join(PLACEMENTS)}")
     gpus = tuple(gpus)
     if gpus and device == "cpu":
         raise UserError("GPU instance groups (gpus) were asked for a model that runs on the CPU",
@@ -323,7 +338,8 @@ def write_model_repository(engine: str | Path, out_repo: str | Path, model_name:
     options = ModelOptions(engine="1/engine" if copy_engine else str(engine), device=device,
                            threads=threads, workers=workers, verify_hashes=verify_hashes,
                            max_tokens=max_tokens, special_tokens_in_text=special_tokens_in_text,
-                           max_batch=max_batch, num_pages=num_pages, max_waiting=max_waiting)
+                           max_batch=max_batch, num_pages=num_pages, max_waiting=max_waiting,
+                           engine_core=engine_core)
     params = options.parameters()
     if backend == "tensorrt":
         params.update(_trt_parameters(engine, manifest))
@@ -372,6 +388,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=0,
                         help="paged engines: rows per scheduler step (0 = the engine's own; CPU: 64)")
     parser.add_argument("--num-pages", type=int, default=0, help="paged engines: KV pages in the pool (0 = what fits)")
+    parser.add_argument("--engine-core", choices=PLACEMENTS, default="auto",
+                        help="a paged ONNX Runtime engine's scheduler and steps: in the model's stub process "
+                             "(thread) or in an engine core process of its own (process), as `serve "
+                             "--engine-core`; auto (default): process on a GPU, thread on the CPU")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                         help="paged engines: requests queued before new ones get an UNAVAILABLE 'overloaded' error")
     parser.add_argument("--gpus", default=None, metavar="0,1",
@@ -394,7 +414,8 @@ def run(args: argparse.Namespace) -> int:
                                    verify_hashes=not args.no_verify, max_tokens=args.max_tokens,
                                    special_tokens_in_text=args.allow_special_tokens_in_text, force=args.force,
                                    max_batch=args.max_batch, num_pages=args.num_pages, max_waiting=args.max_waiting,
-                                   gpus=parse_gpus(args.gpus) if args.gpus is not None else ())
+                                   gpus=parse_gpus(args.gpus) if args.gpus is not None else (),
+                                   engine_core=args.engine_core)
     if not is_paged(engine_dir.read_manifest(Path(args.engine))):
         print(f"note: {args.engine} has no paged KV cache: the model serves {args.workers} request(s) at a time "
               "(--workers); build the engine with --kv paged (GPU: --for-cuda --kv paged) for in-flight batching",

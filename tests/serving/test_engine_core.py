@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +26,7 @@ from test_serve import KEY, MODEL, PROMPTS, Server, concurrent_answers, engine, 
 from helpers.external import needs_cuda
 from helpers.paged_engine import monkeypatch_module, paged_dir  # noqa: F401  (fixtures)
 
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding.batching import SchedulerConfig
 from enginesmith.serving.core_client import CoreClient
 from enginesmith.serving.engine_core import CoreSpec
@@ -300,7 +300,9 @@ def test_gpu_the_core_process_runs_the_cuda_paged_engine(paged_dir):  # noqa: F8
 
 
 def test_auto_puts_the_core_in_a_process_on_a_gpu_and_in_a_thread_on_the_cpu():
-    from enginesmith.cli.serve import engine_core
+    from enginesmith.serving.engine_core import core_placement
 
-    assert engine_core("auto", "cuda") == "process" and engine_core("auto", "cpu") == "thread"
-    assert engine_core("thread", "cuda") == "thread" and engine_core("process", "cpu") == "process"
+    assert core_placement("auto", "cuda") == "process" and core_placement("auto", "cpu") == "thread"
+    assert core_placement("thread", "cuda") == "thread" and core_placement("process", "cpu") == "process"
+    with pytest.raises(UserError, match="engine core placement 'gpu' is not one of auto, thread, process"):
+        core_placement("gpu", "cpu")

@@ -1,22 +1,27 @@
-"""The Triton model on a paged engine, in-process (Triton's python backend stood in by fake_triton):
-all requests share one scheduler loop, each gets the tokens it gets alone and its text; a stop
+"""The Triton model on a paged engine, in-process (Triton's python backend stood in by fake_triton),
+its scheduler loop in the model's process or in an engine core process (ENGINE_CORE): all requests
+share one scheduler loop, each gets the tokens it gets alone and its text; a stop
 string ends the text before it; beyond MAX_WAITING a request gets an "overloaded" UNAVAILABLE
 error; a client's cancel ends its request and gives its pages back; an unload ends open streams with
-the stopping error; a bad request gets INVALID_ARG. An engine without paged KV still takes the
-worker path."""
+the stopping error; a bad request gets INVALID_ARG. A killed core ends its requests with an error
+naming it. An engine without paged KV still takes the worker path."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
 from fake_triton import Request, start_model
 
+from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding.batching import ContinuousBatcher, SchedulerConfig
 from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
 from enginesmith.runtime.decoding.generate import GenerationConfig, generate
 from enginesmith.runtime.load import open_engine, paged_model
+from enginesmith.serving.core_client import CoreClient
 
 PROMPTS = [f"Tell me about the number {i}." for i in range(12)]
 
@@ -38,13 +43,15 @@ def alone(paged_engine):
     return run
 
 
-@pytest.fixture
-def model(paged_engine, monkeypatch, tmp_path):
+@pytest.fixture(params=["thread", "process"])
+def model(request, paged_engine, monkeypatch, tmp_path):
+    """start(**params) -> (the model, its pb stand-in), its scheduler loop in this process (ENGINE_CORE=thread)
+    or in an engine core process (ENGINE_CORE=process, serving/engine_core.py): every test runs on both."""
     started = []
 
     def start(**params):
         m, pb = start_model(monkeypatch, {"ENGINE_DIR": str(paged_engine), "DEVICE": "cpu", "THREADS": "1",
-                                          "VERIFY_HASHES": "0", **params}, tmp_path)
+                                          "VERIFY_HASHES": "0", "ENGINE_CORE": request.param, **params}, tmp_path)
         started.append(m)
         return m, pb
 
@@ -56,7 +63,10 @@ def model(paged_engine, monkeypatch, tmp_path):
 def test_requests_share_one_loop_and_get_their_own_tokens(model, alone):
     m, pb = model(MAX_BATCH="8")
     assert m.batched is not None and not m.workers
-    assert any("one scheduler loop (8 rows per step" in line for line in pb.log)
+    if isinstance(m.batched.loop, CoreClient):
+        assert any(f"an engine core process (pid {m.batched.loop.pid}; 8 rows per step" in line for line in pb.log)
+    else:
+        assert any("one scheduler loop (8 rows per step" in line for line in pb.log)
     requests = [Request(text_input=p, max_tokens=10) for p in PROMPTS]
     m.execute(requests[:5])  # two calls: requests join a batch already running
     m.execute(requests[5:])
@@ -182,3 +192,45 @@ def test_an_engine_without_paged_kv_takes_the_worker_path(tiny_engine, monkeypat
         assert (got["token_ids"], got["text"], got["finish_reason"]) == (want.token_ids, want.text, want.finish_reason)
     finally:
         m.finalize()
+
+
+def test_a_killed_engine_core_ends_its_requests_and_refuses_new_ones(paged_engine, monkeypatch, tmp_path):
+    """The core dies (SIGKILL by its PID): the open stream ends with an INTERNAL error naming it, a new
+    request gets UNAVAILABLE saying why, the log says so once; finalize still returns."""
+    m, pb = start_model(monkeypatch, {"ENGINE_DIR": str(paged_engine), "DEVICE": "cpu", "THREADS": "1",
+                                      "VERIFY_HASHES": "0", "ENGINE_CORE": "process"}, tmp_path)
+    try:
+        pid = m.batched.loop.pid
+        request = Request(text_input="Write a long story.", max_tokens=400, temperature=1.0, seed=3)
+        m.execute([request])
+        assert request.sender.first.wait(30)
+        os.kill(pid, signal.SIGKILL)
+        got = request.sender.result(timeout=10)
+        assert got.get("code") == "INTERNAL" and f"the engine core (pid {pid}) was killed by SIGKILL" in got["error"], got
+        late = Request(text_input="hi")
+        m.execute([late])
+        got = late.sender.result(timeout=5)
+        assert got.get("code") == "UNAVAILABLE" and f"the engine core (pid {pid}) was killed by SIGKILL" in got["error"]
+    finally:
+        m.finalize()
+    assert not m.batched.responder.is_alive()
+
+
+def test_engine_core_auto_keeps_the_loop_here_on_the_cpu_and_a_bad_value_is_refused(paged_engine, monkeypatch,
+                                                                                     tmp_path):
+    m, _ = start_model(monkeypatch, {"ENGINE_DIR": str(paged_engine), "DEVICE": "cpu", "VERIFY_HASHES": "0"}, tmp_path)
+    try:
+        assert not isinstance(m.batched.loop, CoreClient)  # auto: a process on a GPU, this process on the CPU
+    finally:
+        m.finalize()
+    with pytest.raises(UserError, match="config parameter ENGINE_CORE='gpu' is not one of auto, thread, process"):
+        start_model(monkeypatch, {"ENGINE_DIR": str(paged_engine), "ENGINE_CORE": "gpu"}, tmp_path)
+
+
+def test_finalize_stops_the_engine_core(paged_engine, monkeypatch, tmp_path):
+    m, _ = start_model(monkeypatch, {"ENGINE_DIR": str(paged_engine), "DEVICE": "cpu", "THREADS": "1",
+                                     "VERIFY_HASHES": "0", "ENGINE_CORE": "process"}, tmp_path)
+    core = m.batched.loop.proc
+    assert core.poll() is None
+    m.finalize()
+    assert core.poll() == 0  # asked to close, it exited by itself, and was reaped: no orphan holds the engine

@@ -14,14 +14,13 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import traceback
 
 from enginesmith import __version__
 from enginesmith.cli import bench, build, chat, doctor, export, models, plugins, serve, triton, trt_lint
 from enginesmith.cli import eval as eval_verb  # not the builtin
 from enginesmith.cli import run as run_verb  # the module; run() below is the `enginesmith` command
-from enginesmith.core.engine_dir import Terminated
+from enginesmith.core import interrupts
 from enginesmith.core.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EngineError, UserError
 
 VERBS = (export, build, trt_lint, triton, run_verb, chat, serve, bench, eval_verb, doctor, plugins, models)  # in --help's order
@@ -51,44 +50,38 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     debug = os.environ.get("ENGINESMITH_DEBUG") == "1"
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_terminated)  # clean up like Ctrl-C (temp dirs, partial outputs)
-    try:
-        return args.func(args) or 0
-    except UserError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt as exc:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a late second signal must not change the exit status
-            signal.signal(sig, signal.SIG_IGN)
-        terminated = isinstance(exc, Terminated)
-        print(f"\n{'terminated' if terminated else 'interrupted'} (nothing half-written was kept)", file=sys.stderr)
-        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return 0
-    except Exception as exc:  # a bug of ours: one line, and how to see more
-        if debug:
-            traceback.print_exc()
-        if type(exc).__module__.startswith("onnxruntime."):  # the engine's graph failed inside ONNX Runtime
-            print(f"error: onnxruntime failed running the engine: {_first_line(exc)} (fix: rebuild the engine "
-                  "with `enginesmith build`; if this enginesmith built it, rerun with ENGINESMITH_DEBUG=1 and report "
-                  "it)", file=sys.stderr)
-            return EngineError.exit_code
-        print(f"error: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-              "(fix: rerun with ENGINESMITH_DEBUG=1 and report the traceback)", file=sys.stderr)
-        return 1
-    finally:
-        if signal.getsignal(signal.SIGTERM) is _raise_terminated:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # SIGINT and SIGTERM raise while the command runs, so every cleanup path runs (temp dirs, partial
+    # outputs); the handlers below run inside, so their SIG_IGN stays after a first signal
+    with interrupts.as_exceptions():
+        try:
+            return args.func(args) or 0
+        except UserError as exc:
+            if debug:
+                traceback.print_exc()
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt as exc:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a late second signal must not change the exit status
+                signal.signal(sig, signal.SIG_IGN)
+            terminated = isinstance(exc, interrupts.Terminated)
+            print(f"\n{'terminated' if terminated else 'interrupted'} (nothing half-written was kept)", file=sys.stderr)
+            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+        except BrokenPipeError:
+            return 0
+        except Exception as exc:  # a bug of ours: one line, and how to see more
+            if debug:
+                traceback.print_exc()
+            if type(exc).__module__.startswith("onnxruntime."):  # the engine's graph failed inside ONNX Runtime
+                print(f"error: onnxruntime failed running the engine: {_first_line(exc)} (fix: rebuild the engine "
+                      "with `enginesmith build`; if this enginesmith built it, rerun with ENGINESMITH_DEBUG=1 and report "
+                      "it)", file=sys.stderr)
+                return EngineError.exit_code
+            print(f"error: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                  "(fix: rerun with ENGINESMITH_DEBUG=1 and report the traceback)", file=sys.stderr)
+            return 1
 
 
 def run() -> None:

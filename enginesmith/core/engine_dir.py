@@ -28,13 +28,12 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import stat
 import tempfile
-import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+from enginesmith.core import interrupts
 from enginesmith.core import manifest as schema
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.core.manifest import FORMAT_VERSION, Manifest  # noqa: F401  (re-exported)
@@ -350,28 +349,6 @@ def _remove_stale(target: Path) -> None:
                 stale.unlink(missing_ok=True)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so that every cleanup path runs."""
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """While writing, SIGTERM raises Terminated (unless someone else handles SIGTERM already)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 @contextlib.contextmanager
 def write_atomically(target: Path, overwrite: bool = False, wait: bool = False,
                      replaceable: Callable[[Path], bool] = looks_like_engine,
@@ -385,13 +362,14 @@ def write_atomically(target: Path, overwrite: bool = False, wait: bool = False,
         if not locked:
             stack.enter_context(lock(target, wait))
         _check_target(target, overwrite, replaceable, kind)
-        stack.enter_context(_terminate_as_interrupt())
+        stack.enter_context(interrupts.as_exceptions())
         with output_errors(target):
             _remove_stale(target)
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
         try:
             with output_errors(target):
                 yield tmp
+            interrupts.raise_pending()  # a signal whose exception something swallowed: publish nothing
             with output_errors(target):
                 if os.path.lexists(target):
                     old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -436,6 +414,7 @@ def graph_pair_atomically(out: Path, force: bool) -> Iterator[Path]:
         try:
             with output_errors(out):
                 yield tmpdir / out.name
+            interrupts.raise_pending()
             for p in (out, data):  # again: another program may have put something there meanwhile
                 check_out(p, flag, "file")
                 check_new_file(p, flag, force)

@@ -31,13 +31,16 @@ import functools
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from enginesmith.core.errors import UserError
 from enginesmith.runtime.decoding.batching import SchedulerConfig
 from enginesmith.runtime.decoding.sampling import SamplingParams
 from enginesmith.serving.loop import BatcherLoop, Draining
 from enginesmith.serving.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from enginesmith.serving.core_client import CoreClient
 
 DEFAULT_MAX_BATCH = 32   # rows per step when the engine sets none (the CPU paged graphs; SmolLM2-135M on 2 cores:
                          # 79 ms a decode step alone, 5.7 ms a row at 32 rows, 7.1 ms at 50)
@@ -77,7 +80,7 @@ class _Stream:
 class BatchedRequests:
     """The model's requests on one BatcherLoop: submit from Triton's thread, answers from the responder."""
 
-    def __init__(self, loop: BatcherLoop, tokenizer: Any, stop_token_ids: Sequence[int], replies: Replies,
+    def __init__(self, loop: BatcherLoop | CoreClient, tokenizer: Any, stop_token_ids: Sequence[int], replies: Replies,
                  log: Any, stopping_message: str):
         self.loop = loop
         self.tokenizer = tokenizer

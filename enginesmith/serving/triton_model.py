@@ -12,31 +12,25 @@ response with every token id and the finish reason. Who generates depends on the
 A request with a bad parameter gets an error response (the stub keeps running); so does one that
 fails inside generation.
 
-Requests are untrusted input:
-  - numbers are checked as Python ints and floats, as sent (int64 on the wire), against the ranges
-    in INT_RANGES and FLOAT_RULES, NaN and infinities refused, before anything could narrow them;
-  - special-token spellings in text_input and system are encoded as text (`prompt_ids`), unless
-    the deployer set SPECIAL_TOKENS_IN_TEXT=1 (`enginesmith triton --allow-special-tokens-in-text`).
+Requests are untrusted input: serving/triton_requests.py checks them (`request_settings`,
+`prompt_ids`) before anything runs.
 
 Stopping: when Triton unloads the model (the server stops, or an explicit unload) open streams end
 between tokens and queued requests are answered with UNAVAILABLE, so the stub finalizes cleanly
 within the server's exit timeout (see TritonPythonModel).
 
-`request_settings` and `prompt_ids` (pure, no Triton import) turn the request's tensors into
-generation settings and token ids and are what the unit tests exercise; the rest needs
-`triton_python_backend_utils`, which exists only inside Triton's stub process.
+The model needs `triton_python_backend_utils`, which exists only inside Triton's stub process
+(tests/serving/fake_triton.py stands in for it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -44,137 +38,18 @@ import numpy as np
 
 from enginesmith.core import engine_dir
 from enginesmith.core.errors import UserError
-from enginesmith.runtime.text.chat import encode_prompt, stop_token_ids
-from enginesmith.runtime.decoding.generate import MAX_NEW_TOKENS, GenerationConfig, stream
+from enginesmith.runtime.text.chat import stop_token_ids
+from enginesmith.runtime.decoding.generate import GenerationConfig, stream
 from enginesmith.runtime.engines.ort_engine import resolve_device
 from enginesmith.runtime.load import open_engine, paged_model
 from enginesmith.runtime.protocols import LoadedEngine
 from enginesmith.runtime.text.tokenizer import Tokenizer
-from enginesmith.runtime.decoding.sampling import SamplingParams
 from enginesmith.serving.core_client import CoreClient
 from enginesmith.serving.engine_core import CoreSpec, core_placement
 from enginesmith.serving.loop import BatcherLoop, Draining, Overloaded
 from enginesmith.serving.triton_batched import CHUNK, DEFAULT_MAX_BATCH, BatchedRequests, scheduler_config
-from enginesmith.serving.triton_repository import DEFAULT_MAX_TOKENS, INPUTS, ModelOptions, is_paged
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    prompt: str
-    raw: bool
-    system: str | None
-    max_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-
-
-def _one(values: Mapping[str, Any], name: str) -> Any:
-    """The single element of an optional [1] input, or None when the input is absent."""
-    array = values.get(name)
-    if array is None:
-        return None
-    flat = np.asarray(array).reshape(-1)
-    if flat.size != 1:
-        raise UserError(f"input {name!r} has {flat.size} elements", f"send exactly one value for {name}")
-    return flat[0]
-
-
-def _text(value: Any, name: str) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"input {name!r} is not valid UTF-8", f"send {name} as UTF-8 text") from None
-    if isinstance(value, str):
-        return value
-    raise UserError(f"input {name!r} must be a string", f"send {name} as text")
-
-
-# Valid ranges of the integer inputs, checked on the Python int: Triton passes int64 (see INPUTS),
-# and nothing downstream may see a value that a narrower type would wrap. max_tokens is bounded
-# by the runtime's own limit, so the error names the input the client sent.
-INT_RANGES = {"max_tokens": (1, MAX_NEW_TOKENS), "top_k": (0, 2**31 - 1), "seed": (0, 2**63 - 1)}
-FLOAT_RULES = {"temperature": "a finite number >= 0 (0 = greedy)", "top_p": "a number in (0, 1] (1 = off)",
-               "repetition_penalty": "a finite number > 0 (1 = off)"}
-
-
-def _integer(value: Any, name: str) -> int | None:
-    """An integer input as an exact Python int within INT_RANGES[name], or None when absent."""
-    if value is None:
-        return None
-    low, high = INT_RANGES[name]
-    rule = f"send {name} as an integer in [{low}, {high}]"
-    if isinstance(value, (bool, np.bool_)):
-        raise UserError(f"input {name!r} is a boolean, not an integer", rule)
-    if isinstance(value, (int, np.integer)):
-        number = int(value)  # exact for int64 and uint64 alike: no cast narrows it
-    elif isinstance(value, (float, np.floating)):
-        real = float(value)
-        if not (math.isfinite(real) and real.is_integer()):
-            raise UserError(f"input {name!r}={real!r} is not an integer", rule)
-        number = int(real)
-    else:
-        raise UserError(f"input {name!r} is not a number ({type(value).__name__})", rule)
-    if not low <= number <= high:
-        raise UserError(f"invalid {name}={number}: outside [{low}, {high}]", rule)
-    return number
-
-
-def _real(value: Any, name: str) -> float | None:
-    """A float input as a finite Python float (NaN and infinities refused), or None when absent."""
-    if value is None:
-        return None
-    rule = f"{name} must be {FLOAT_RULES[name]}"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise UserError(f"input {name!r} is not a number ({type(value).__name__})", rule)
-    try:
-        real = float(value)
-    except OverflowError:  # a Python int beyond float range
-        real = math.inf
-    if not math.isfinite(real):
-        raise UserError(f"invalid {name}={real}: not a finite number", rule)
-    return real
-
-
-def request_settings(values: Mapping[str, Any], default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestSettings:
-    """Validate one request's tensors ({name: numpy array}); raise UserError naming the bad input
-    and its valid range. Numbers are read as Python ints and floats from the arrays as sent."""
-    known = {t.name for t in INPUTS}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UserError(f"unknown inputs {', '.join(unknown)}", f"use only: {', '.join(sorted(known))}")
-    if values.get("text_input") is None:
-        raise UserError("missing input 'text_input'", "send the prompt as text_input")
-    prompt = _text(_one(values, "text_input"), "text_input")
-    if not prompt:
-        raise UserError("empty prompt", "send some text as text_input")
-    system = _one(values, "system")
-    raw = _one(values, "raw")
-    if raw is not None and not isinstance(raw, (bool, np.bool_)):
-        raise UserError(f"input 'raw' is not a boolean ({type(raw).__name__})", "send raw as true or false")
-    max_tokens = _integer(_one(values, "max_tokens"), "max_tokens")
-    params: dict[str, Any] = {}
-    for name in ("top_k", "seed"):
-        params[name] = _integer(_one(values, name), name)
-    for name in FLOAT_RULES:
-        params[name] = _real(_one(values, name), name)
-    sampling = SamplingParams(**{k: v for k, v in params.items() if v is not None})  # checks the float ranges
-    stop_values = values.get("stop")
-    stop = tuple(_text(s, "stop") for s in np.asarray(stop_values).reshape(-1)) if stop_values is not None else ()
-    if any(not s for s in stop):
-        raise UserError("empty stop string", "leave out empty strings from stop")
-    return RequestSettings(prompt=prompt, raw=bool(raw) if raw is not None else False,
-                           system=_text(system, "system") if system is not None else None,
-                           max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-                           sampling=sampling, stop=stop)
-
-
-def prompt_ids(tokenizer: Any, settings: RequestSettings, special_tokens_in_text: bool = False) -> list[int]:
-    """Token ids of a request's prompt (chat template unless `raw`). Request text is untrusted: a
-    special-token spelling in text_input or system is encoded as text unless the deployer allowed
-    it (ModelOptions.special_tokens_in_text), so a client cannot forge a system or assistant turn."""
-    return encode_prompt(tokenizer, settings.prompt, raw=settings.raw, system=settings.system,
-                         special_tokens_in_text=special_tokens_in_text)
+from enginesmith.serving.triton_repository import INPUTS, ModelOptions, is_paged
+from enginesmith.serving.triton_requests import prompt_ids, request_settings
 
 
 def instance_gpu(args: Mapping[str, Any], visible: str | None) -> str | None:
@@ -222,7 +97,8 @@ def _open_core(spec: CoreSpec, options: ModelOptions) -> tuple[LoadedEngine, Cor
     needs besides: the manifest and the tokenizer."""
     client = CoreClient.start(spec, options.max_waiting)
     path = Path(spec.engine)
-    loaded = LoadedEngine(path, engine_dir.read_manifest(path), None, Tokenizer(path / "tokenizer"))
+    # no engine here: the core runs it (the model reads only the manifest and the tokenizer of a paged engine)
+    loaded = LoadedEngine(path, engine_dir.read_manifest(path), None, Tokenizer(path / "tokenizer"))  # type: ignore[arg-type]
     info = client.info
     return loaded, client, (f"an engine core process (pid {client.pid}; {info.max_batch} rows per step, "
                             f"{info.num_pages - 1} KV pages, up to {options.max_waiting} waiting)")
@@ -338,6 +214,8 @@ class TritonPythonModel:
                 params[key] = ",".join(p if Path(p).is_absolute() else str(model_dir / p)
                                        for p in params[key].split(","))
         core = _core_spec(path, self.options)
+        self.loaded: LoadedEngine
+        loop: BatcherLoop | CoreClient | None
         self.loaded, loop, how = _open_core(core, self.options) if core else self._open_here(path, params)
         # A TensorRT engine has one execution context and static buffers: one generation at a time.
         trt = self.loaded.manifest.backend.name == "tensorrt"
@@ -362,7 +240,7 @@ class TritonPythonModel:
         special = "; request text may spell special tokens" if self.options.special_tokens_in_text else ""
         self.log.log_info(f"enginesmith: serving {path}{where} with {how}{special}")
 
-    def _open_here(self, path: Path, params: Mapping[str, str]) -> tuple[Any, Any, str]:
+    def _open_here(self, path: Path, params: Mapping[str, str]) -> tuple[LoadedEngine, BatcherLoop | None, str]:
         """The engine opened in this process: (loaded, its scheduler loop if paged else None, how it serves)."""
         loaded = _open(path, self.options, params)
         if not is_paged(loaded.manifest):

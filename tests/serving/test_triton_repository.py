@@ -13,7 +13,7 @@ import pytest
 
 from enginesmith.core import engine_dir
 from enginesmith.serving.triton_repository import INPUTS, OUTPUTS, ModelOptions, _place_engine, config_pbtxt, write_model_repository
-from enginesmith.serving.triton_model import prompt_ids, request_settings
+from enginesmith.serving.triton_requests import prompt_ids, request_settings
 from enginesmith.core.errors import EngineError, UserError
 from enginesmith.runtime.text.tokenizer import Tokenizer
 from helpers.external import require_module

@@ -6,7 +6,7 @@ against the batched one (total time). Prints JSON.
 
     python benchmarks/serving/triton_streams.py [--model SPEC] [--streams 50] [--max-tokens 32]
         [--prompt "Write a short story about the number {i}."] [--workers 1] [--max-batch 0]
-        [--threads 0] [--json-out FILE]
+        [--threads 0] [--engine-core auto|thread|process] [--json-out FILE]
 
 Both engines are built (or taken from the cache) from the same model; each is served by a real
 tritonserver on 127.0.0.1 (tests/serving/triton_server.py: the nvidia-pytriton wheel's binary, CPU),
@@ -88,6 +88,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="the old model's worker threads")
     ap.add_argument("--max-batch", type=int, default=0, help="the batched model's rows per step (0: its default)")
     ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores)")
+    ap.add_argument("--engine-core", default="auto", choices=("auto", "thread", "process"),
+                    help="where the batched model's scheduler loop runs (enginesmith triton --engine-core)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     dense = cached_engine(BuildConfig(model=args.model), progress=False)
@@ -96,10 +98,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="triton-streams-") as tmp:
         old = run_streams(dense, Path(tmp) / "old", texts, args.max_tokens, workers=args.workers, threads=args.threads)
         new = run_streams(paged, Path(tmp) / "new", texts, args.max_tokens, max_batch=args.max_batch,
-                          threads=args.threads)
+                          threads=args.threads, engine_core=args.engine_core)
     same = sum(a is not None and a == b for a, b in zip(old.pop("token_ids"), new.pop("token_ids")))
     result = {"model": args.model or "SmolLM2-135M-Instruct (default)", "streams": args.streams,
-              "max_tokens": args.max_tokens, "prompt": args.prompt, "cpu_cores": os.cpu_count(), "greedy": True,
+              "max_tokens": args.max_tokens, "prompt": args.prompt, "engine_core": args.engine_core,
+              "cpu_cores": os.cpu_count(), "greedy": True,
               "load_average_after": os.getloadavg()[0],
               "old_one_request_per_worker": old, "new_one_scheduler_loop": new,
               "speedup_total_time": round(old["total_s"] / new["total_s"], 2), "same_tokens": same}

@@ -6,7 +6,9 @@ response with every token id and the finish reason. Who generates depends on the
 
     paged KV cache     one scheduler loop for every request (serving/triton_batched.py): requests
                        join and leave the running batch each step; beyond MAX_WAITING queued, a new
-                       request gets an UNAVAILABLE "overloaded" error; a client's cancel frees its pages
+                       request gets an UNAVAILABLE "overloaded" error; a client's cancel frees its pages.
+                       The loop runs in this process, or (ENGINE_CORE; auto: on a GPU) in an engine
+                       core process of its own, a child of this one (serving/engine_core.py, as serve)
     any other engine   WORKERS threads (config.pbtxt, default 1), each one request at a time
 
 A request with a bad parameter gets an error response (the stub keeps running); so does one that

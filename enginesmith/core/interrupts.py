@@ -57,8 +57,8 @@ def as_exceptions() -> Iterator[None]:
     hook = sys.unraisablehook
     if installed:
         sys.unraisablehook = functools.partial(_quiet_about_interrupts, default=hook)
-        if len(installed) == 2:
-            _pending.clear()  # the outermost: what an earlier command in this process saw is not ours
+    if len(installed) == 2:
+        _pending.clear()  # the outermost: what an earlier command in this process saw is not ours
     try:
         yield
     finally:

@@ -84,12 +84,13 @@ def _core_spec(path: Path, options: ModelOptions) -> CoreSpec | None:
     """How to start an engine core process for this model (ENGINE_CORE: auto is a process on a GPU), or
     None to open the engine here: a paged ONNX Runtime engine only (a TensorRT engine, and an engine
     without paged KV, stay in this process)."""
-    if core_placement(options.engine_core, resolve_device(options.device)) != "process":
+    device = resolve_device(options.device)
+    if core_placement(options.engine_core, device) != "process":
         return None
     manifest = engine_dir.read_manifest(path)
     if not is_paged(manifest) or manifest.backend.name != "onnxruntime":
         return None
-    return CoreSpec(str(path), resolve_device(options.device), options.threads or None, options.max_batch or None,
+    return CoreSpec(str(path), device, options.threads or None, options.max_batch or None,
                     options.num_pages or None, chunk=CHUNK, cpu_max_batch=DEFAULT_MAX_BATCH,
                     verify_hashes=options.verify_hashes)
 

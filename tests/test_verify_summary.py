@@ -122,6 +122,20 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
          "enginesmith_today": {"gpu_us": 9000.0}, "ort_gqa": {"gpu_us": 250.0}, "ours_over_ort_gpu": 1.2}]}))
     (fig / "kvquant_decode.json").write_text(json.dumps({"decode": {"rows": [
         {"context": 32768, "batch": 1, "fp16": {"step_ms": 2.0}, "int8": {"step_ms": 1.6}, "fp8": {"step_ms": 1.7}}]}}))
+    asy = json.loads((fig / "serving_fp16.json").read_text())
+    for run in asy["runs"]:  # the async steps' run: the same shape, other figures
+        run["tok_s"] *= 1.2
+    (fig / "serving_fp16_async.json").write_text(json.dumps(asy))
+    step("profile.step")
+    (fig / "profile_step.json").write_text(json.dumps({"timed": [
+        {"batch": 64, "step_ms": 3.3, "gpu_ms": 2.4, "async": {"step_ms": 2.5}, "async_speedup": 1.32}]}))
+    (fig / "profile_decode.json").write_text(json.dumps({"modes": [
+        {"cuda_graph": True, "ms_per_step": 0.9, "gpu_us_per_step": 700.0, "gaps_us_per_step": 200.0,
+         "kernels_per_step": 130.0, "top_kernels": [{"kernel": "gemv_kernel", "us_per_step": 400.0, "per_step": 64}]}]}))
+    (fig / "accuracy_smollm2.json").write_text(json.dumps({
+        "ppl": {"ok": True, "ppl_cuda": 10.02, "ppl_cpu": 10.0, "relative_difference": 0.002, "tolerance": 0.005,
+                "tokens": 8192, "protocol": "harness"},
+        "greedy": {"ok": False, "identical": 23, "prompts": 24, "new_tokens": 64}}))
     return state, out
 
 
@@ -155,6 +169,14 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     kv = fig["KV int8 decode step, paged, context 32768, batch 1"]
     assert kv["status"] == "cut" and kv["ratio"] == 1.25
     assert "cut before the end" not in md and "1 failed" in md
+    a64 = fig["offline fp16 async steps concurrency 64 (ES_ASYNC_STEPS=1)"]
+    assert a64["ratio"] == pytest.approx(1.2, abs=1e-3) and a64["status"] == "not run"
+    step64 = fig["paged decode step at batch 64, async scheduling (sync beside)"]
+    assert step64["ours"] == 2.5 and step64["ratio"] == 1.32 and step64["status"] == "ok"
+    b1 = fig["batch-1 decode step fp16, graphs on: GPU busy us"]
+    assert b1["ours"] == 700.0 and b1["peer_value"] == 900.0 and "130.0 kernels" in b1["note"]
+    assert "0.200 %" in fig["SmolLM2 perplexity, GPU vs CPU engine"]["note"]
+    assert fig["SmolLM2 greedy tokens, tensor-core prompt path vs older kernel: prompts identical"]["ours"] == 23
 
 
 def test_summary_of_an_empty_machine(tmp_path):

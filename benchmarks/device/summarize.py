@@ -150,6 +150,13 @@ def figures(state: Path, steps: dict) -> list[dict]:
                 h = got.get(c, {})
                 row(f"serve over HTTP {k}{label} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),
                     f"offline {k} at {c}", note=f"TTFT p50 {h['ttft_ms']['p50']:.0f} ms" if h.get("ttft_ms") else None)
+        asy = {r["concurrency"]: r for r in (_load(fig / f"serving_{k}_async.json") or {}).get("runs", [])}
+        for c in (16, 64):
+            a = asy.get(c, {})
+            frac = (a.get("bound") or {}).get("fraction_median")
+            row(f"offline {k} async steps concurrency {c} (ES_ASYNC_STEPS=1)", f"serving.{k}_async", a.get("tok_s"),
+                runs.get(c, {}).get("tok_s"), f"offline {k} at {c}, sync steps",
+                note=f"step {a['bound']['ms_per_step_median']:.2f} ms, {100 * frac:.0f} % of the bound" if frac else None)
     b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
     row("ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)", "serving.genai_b32", b32.get("decode_tok_s"),
         note=f"{b32['ms_per_tok']:.2f} ms/step, e2e {b32['e2e_tok_s']:.0f} tok/s" if b32.get("ms_per_tok") else None)
@@ -173,10 +180,40 @@ def figures(state: Path, steps: dict) -> list[dict]:
                 row(f"KV {fmt} decode step, {layout}, context {r['context']}, batch {r['batch']}", "kvquant.decode",
                     r[fmt]["step_ms"], r["fp16"]["step_ms"], "fp16 KV", unit="ms/step",
                     ratio=r["fp16"]["step_ms"] / r[fmt]["step_ms"], note="ratio = speedup over fp16 KV")
+    profile_rows(fig, row)
     wheel = _load(fig / "wheel" / "bench.json") or {}
     row("binary wheel in a fresh venv, no nvcc: bench --device cuda decode", "wheel.check",
         (wheel.get("enginesmith") or {}).get("decode_tok_s"), note=wheel.get("model"))
     return rows
+
+
+def profile_rows(fig: Path, row) -> None:
+    """The profile and accuracy phases: the batched step sync vs async, batch 1's kernel table, accuracy."""
+    timed = (_load(fig / "profile_step.json") or {}).get("timed", [])
+    if not timed:
+        row("paged decode step, async vs sync scheduling (profile_step.py)", "profile.step", unit="ms")
+    for t in timed:
+        a = t.get("async") or {}
+        row(f"paged decode step at batch {t['batch']}, async scheduling (sync beside)", "profile.step",
+            a.get("step_ms"), t.get("step_ms"), "sync scheduling", unit="ms", ratio=t.get("async_speedup"),
+            note=f"GPU {t['gpu_ms']:.2f} ms of the step; ratio = async speed-up" if t.get("gpu_ms") else None)
+    modes = (_load(fig / "profile_decode.json") or {}).get("modes", [])
+    if not modes:
+        row("batch-1 decode step, GPU busy time (decode_kernels.py)", "profile.decode", unit="us")
+    for m in modes:
+        top = ", ".join(f"{k['kernel'][:40]} {k['us_per_step']:.0f}" for k in m["top_kernels"][:3])
+        row(f"batch-1 decode step fp16, graphs {'on' if m['cuda_graph'] else 'off'}: GPU busy us", "profile.decode",
+            m["gpu_us_per_step"], 1e3 * m["ms_per_step"], "wall us per step", unit="us",
+            note=f"{m['kernels_per_step']} kernels, gaps {m['gaps_us_per_step']:.0f} us; top: {top}")
+    acc = _load(fig / "accuracy_smollm2.json") or {}
+    ppl, greedy = acc.get("ppl") or {}, acc.get("greedy") or {}
+    row("SmolLM2 perplexity, GPU vs CPU engine", "accuracy.smollm2", ppl.get("ppl_cuda"), ppl.get("ppl_cpu"),
+        "CPU engine", unit="ppl", note=(f"{100 * ppl['relative_difference']:.3f} % apart (tolerance "
+                                        f"{100 * ppl['tolerance']:.1f} %), {ppl['tokens']} tokens, {ppl['protocol']}"
+                                        if "relative_difference" in ppl else ppl.get("error")))
+    row("SmolLM2 greedy tokens, tensor-core prompt path vs older kernel: prompts identical", "accuracy.smollm2",
+        greedy.get("identical"), greedy.get("prompts"), "prompts", unit="prompts",
+        note=f"{greedy['new_tokens']} new tokens each" if "new_tokens" in greedy else greedy.get("error"))
 
 
 def summarize(state: Path, out: Path, gpu_file: Path | None = None) -> dict:

@@ -6,8 +6,9 @@
 #   bash benchmarks/device/verify.sh --phases figures --resume        # the next call(s), same warm machine
 #
 # Options:
-#   --phases LIST   comma list of: setup build tests wheel engines decode serving prefill kvquant http
-#                   (aliases: figures = engines,decode,serving,prefill,kvquant,http; all = setup,build,tests,figures;
+#   --phases LIST   comma list of: setup build tests wheel engines decode serving prefill kvquant http profile
+#                   accuracy (aliases: figures = engines,decode,serving,prefill,kvquant,http,profile,accuracy;
+#                   all = setup,build,tests,wheel,figures;
 #                   default all). setup and build are added when this machine has not run them yet.
 #   --resume        skip the steps already finished on this machine (ok or failed; VERIFY_RETRY=1 reruns the
 #                   failed ones too); steps cut by the call's deadline always run again
@@ -52,7 +53,7 @@ while [ $# -gt 0 ]; do
         --fresh) FRESH=1; shift ;;
         --detach) DETACH=1; shift ;;
         --budget) BUDGET="$2"; shift 2 ;;
-        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
         *) echo "verify.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -73,10 +74,10 @@ exec > >(tee -a "$OUT/verify.log") 2>&1
 
 # ------------------------------------------------------------------------------------------ phases
 expand() {  # the phase list, aliases expanded, in run order
-    local want=",${1//figures/engines,decode,serving,prefill,kvquant,http},"
-    want="${want//,all,/,setup,build,tests,wheel,engines,decode,serving,prefill,kvquant,http,}"
+    local want=",${1//figures/engines,decode,serving,prefill,kvquant,http,profile,accuracy},"
+    want="${want//,all,/,setup,build,tests,wheel,engines,decode,serving,prefill,kvquant,http,profile,accuracy,}"
     local p out=""
-    for p in setup build tests wheel engines decode serving prefill kvquant http; do
+    for p in setup build tests wheel engines decode serving prefill kvquant http profile accuracy; do
         [[ "$want" == *",$p,"* ]] && out="$out $p"
     done
     echo "$out"
@@ -435,6 +436,9 @@ offline() {  # offline STEP ENGINE: bench --requests through the continuous batc
         --requests 4 --concurrency 1 "${r[@]}"
     step -o "$F/serving_$1.json" serving "$1" 180 "${ES[@]}" bench --engine "$E/$2" --device cuda \
         --requests 64 --concurrency 16,64 "${r[@]}"
+    # async scheduling (one step in flight while the host prepares the next; opt-in until it wins here)
+    step -o "$F/serving_$1_async.json" serving "$1_async" 180 env ES_ASYNC_STEPS=1 "${ES[@]}" bench \
+        --engine "$E/$2" --device cuda --requests 64 --concurrency 16,64 "${r[@]}"
 }
 if wants serving; then
     offline fp16 paged_fp16
@@ -459,6 +463,23 @@ if wants http; then      # enginesmith serve over HTTP (bench serve, one client 
         step http "$x" 420 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers "$servers" \
             --requests 64 --concurrency 1,16,64 --out-dir "$F/http_$x"
     done
+fi
+
+if wants profile; then   # where a step's time goes: the batched step (sync and async, kernels) and batch 1
+    if engine_or_missing profile step paged_fp16; then
+        step profile step 300 python3 "$REPO/benchmarks/serving/profile_step.py" --engine "$E/paged_fp16" \
+            --batch 1,16,64 --json-out "$F/profile_step.json"
+    fi
+    if engine_or_missing profile decode dense_fp16; then
+        step profile decode 240 python3 "$REPO/benchmarks/gpu/decode_kernels.py" --engine "$E/dense_fp16" \
+            --out "$F/profile_decode.json"
+    fi
+fi
+if wants accuracy; then  # GPU perplexity = the CPU engine's (0.5 %); 24 prompts' greedy tokens, prompt kernels old and new
+    if engine_or_missing accuracy smollm2 smollm2_fp16; then
+        step accuracy smollm2 420 python3 "$REPO/benchmarks/gpu/accuracy.py" --engine "$E/smollm2_fp16" \
+            --out "$F/accuracy_smollm2.json"
+    fi
 fi
 
 # ------------------------------------------------------------------------------------------ summary

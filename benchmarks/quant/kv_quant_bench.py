@@ -72,7 +72,7 @@ def decode_speed(path: Path, device: str, context: int, batch: int, steps: int) 
 
     from enginesmith.runtime.engines.paged_cuda import open_paged_engine
 
-    pages_per_row = -(-(context + steps + 2) // PAGE)
+    pages_per_row = -(-(context + steps + 3) // PAGE)  # positions context .. context + steps + 2
     engine = open_paged_engine(path, device=device, max_batch=batch, num_pages=1 + batch * pages_per_row).engine
     rng = np.random.default_rng(0)
     order = rng.permutation(np.arange(1, 1 + batch * pages_per_row)).astype(np.int32)  # pages spread out

@@ -150,12 +150,17 @@ def figures(state: Path, steps: dict) -> list[dict]:
                 h = got.get(c, {})
                 row(f"serve over HTTP {k}{label} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),
                     f"offline {k} at {c}", note=f"TTFT p50 {h['ttft_ms']['p50']:.0f} ms" if h.get("ttft_ms") else None)
-        asy = {r["concurrency"]: r for r in (_load(fig / f"serving_{k}_async.json") or {}).get("runs", [])}
+        # async against sync scheduling: since session 18 async is the default and sync the extra step
+        # (serving_<k>_sync.json); session 18's run had them the other way round (serving_<k>_async.json)
+        legacy = (fig / f"serving_{k}_async.json").exists()
+        other = {r["concurrency"]: r for r in (_load(fig / f"serving_{k}_{'async' if legacy else 'sync'}.json")
+                                               or {}).get("runs", [])}
+        asy, syn = (other, runs) if legacy else (runs, other)
         for c in (16, 64):
             a = asy.get(c, {})
             frac = (a.get("bound") or {}).get("fraction_median")
-            row(f"offline {k} async steps concurrency {c} (ES_ASYNC_STEPS=1)", f"serving.{k}_async", a.get("tok_s"),
-                runs.get(c, {}).get("tok_s"), f"offline {k} at {c}, sync steps",
+            row(f"offline {k} concurrency {c}, async steps vs sync", f"serving.{k}_{'async' if legacy else 'sync'}",
+                a.get("tok_s"), syn.get(c, {}).get("tok_s"), f"offline {k} at {c}, sync steps",
                 note=f"step {a['bound']['ms_per_step_median']:.2f} ms, {100 * frac:.0f} % of the bound" if frac else None)
     b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
     row("ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)", "serving.genai_b32", b32.get("decode_tok_s"),

@@ -436,8 +436,8 @@ offline() {  # offline STEP ENGINE: bench --requests through the continuous batc
         --requests 4 --concurrency 1 "${r[@]}"
     step -o "$F/serving_$1.json" serving "$1" 180 "${ES[@]}" bench --engine "$E/$2" --device cuda \
         --requests 64 --concurrency 16,64 "${r[@]}"
-    # async scheduling (one step in flight while the host prepares the next; opt-in until it wins here)
-    step -o "$F/serving_$1_async.json" serving "$1_async" 180 env ES_ASYNC_STEPS=1 "${ES[@]}" bench \
+    # sync scheduling beside the default, async (one step in flight while the host prepares the next)
+    step -o "$F/serving_$1_sync.json" serving "$1_sync" 180 env ES_ASYNC_STEPS=0 "${ES[@]}" bench \
         --engine "$E/$2" --device cuda --requests 64 --concurrency 16,64 "${r[@]}"
 }
 if wants serving; then

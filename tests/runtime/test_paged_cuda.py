@@ -4,9 +4,9 @@ CPU (here and in CI): the engine runs the paged-GQA graph through the ORT ops' C
 graphs. Batched greedy outputs equal each request run alone (the same engine, one request at a time);
 a seeded sampled request draws the same tokens whatever it is batched with; random load with
 cancellations and preemption gives every page back (sync and async scheduling); `run`'s generate path
-goes through the batcher. Async scheduling is opt-in (SchedulerConfig(async_steps=True), or ES_ASYNC_STEPS=1
-for the CUDA engine's default: through `launch`, no thread) until it has run on a GPU; here the batched runs
-are async (steps in the scheduler's worker thread), the GPU tests run both.
+goes through the batcher. Async scheduling is the CUDA engine's default (through `launch`, no thread;
+ES_ASYNC_STEPS=0 or SchedulerConfig(async_steps=False) turns it off); here the batched runs are async
+(steps in the scheduler's worker thread), the GPU tests run both.
 GPU (marked gpu, run on the device machine): 32 mixed-length requests batched equal each alone in
 batch-invariant mode (decode steps through the CUDA-graph buckets, chunked prefill beside decodes); 2,000 random requests finish
 with every page back in the pool; the pool is sized from free GPU memory.

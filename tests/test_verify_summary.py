@@ -131,7 +131,9 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
         {"batch": 64, "step_ms": 3.3, "gpu_ms": 2.4, "async": {"step_ms": 2.5}, "async_speedup": 1.32}]}))
     (fig / "profile_decode.json").write_text(json.dumps({"modes": [
         {"cuda_graph": True, "ms_per_step": 0.9, "gpu_us_per_step": 700.0, "gaps_us_per_step": 200.0,
-         "kernels_per_step": 130.0, "top_kernels": [{"kernel": "gemv_kernel", "us_per_step": 400.0, "per_step": 64}]}]}))
+         "kernels_per_step": 130.0, "top_kernels": [{"kernel": "gemv_kernel", "us_per_step": 400.0, "per_step": 64}]},
+        {"cuda_graph": False, "ms_per_step": 1.2, "gpu_us_per_step_no_pdl": 800.0, "gaps_us_per_step": 400.0,
+         "kernels_per_step": 130.0, "top_kernels": []}]}))
     (fig / "accuracy_smollm2.json").write_text(json.dumps({
         "ppl": {"ok": True, "ppl_cuda": 10.02, "ppl_cpu": 10.0, "relative_difference": 0.002, "tolerance": 0.005,
                 "tokens": 8192, "protocol": "harness"},
@@ -176,8 +178,9 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     assert fig["offline fp16 concurrency 64, async steps vs sync"]["ratio"] == pytest.approx(1 / 1.2, abs=1e-3)
     step64 = fig["paged decode step at batch 64, async scheduling (sync beside)"]
     assert step64["ours"] == 2.5 and step64["ratio"] == 1.32 and step64["status"] == "ok"
-    b1 = fig["batch-1 decode step fp16, graphs on: GPU busy us"]
+    b1 = fig["batch-1 decode step fp16, graphs on: kernel us (PDL on, overlapping) vs wall us"]
     assert b1["ours"] == 700.0 and b1["peer_value"] == 900.0 and "130.0 kernels" in b1["note"]
+    assert fig["batch-1 decode step fp16, graphs off: kernel us (PDL off) vs wall us"]["ours"] == 800.0
     assert "0.200 %" in fig["SmolLM2 perplexity, GPU vs CPU engine"]["note"]
     assert fig["SmolLM2 greedy tokens, tensor-core prompt path vs older kernel: prompts identical"]["ours"] == 23
 

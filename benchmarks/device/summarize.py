@@ -207,9 +207,12 @@ def profile_rows(fig: Path, row) -> None:
         row("batch-1 decode step, GPU busy time (decode_kernels.py)", "profile.decode", unit="us")
     for m in modes:
         top = ", ".join(f"{k['kernel'][:40]} {k['us_per_step']:.0f}" for k in m["top_kernels"][:3])
-        row(f"batch-1 decode step fp16, graphs {'on' if m['cuda_graph'] else 'off'}: GPU busy us", "profile.decode",
-            m["gpu_us_per_step"], 1e3 * m["ms_per_step"], "wall us per step", unit="us",
-            note=f"{m['kernels_per_step']} kernels, gaps {m['gaps_us_per_step']:.0f} us; top: {top}")
+        # session 18's table was taken with programmatic dependent launches on: durations that overlap
+        pdl = "gpu_us_per_step_no_pdl" not in m
+        row(f"batch-1 decode step fp16, graphs {'on' if m['cuda_graph'] else 'off'}: kernel us (PDL "
+            f"{'on, overlapping' if pdl else 'off'}) vs wall us", "profile.decode",
+            m["gpu_us_per_step" if pdl else "gpu_us_per_step_no_pdl"], 1e3 * m["ms_per_step"], "wall us per step",
+            unit="us", note=f"{m['kernels_per_step']} kernels; top: {top}")
     acc = _load(fig / "accuracy_smollm2.json") or {}
     ppl, greedy = acc.get("ppl") or {}, acc.get("greedy") or {}
     row("SmolLM2 perplexity, GPU vs CPU engine", "accuracy.smollm2", ppl.get("ppl_cuda"), ppl.get("ppl_cpu"),

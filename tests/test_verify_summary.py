@@ -126,6 +126,7 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
     for run in asy["runs"]:  # the async steps' run: the same shape, other figures
         run["tok_s"] *= 1.2
     (fig / "serving_fp16_async.json").write_text(json.dumps(asy))
+    (fig / "serving_w4a16_mma.json").write_text(json.dumps({"runs": [{"concurrency": 64, "tok_s": 19000.0}]}))
     step("profile.step")
     (fig / "profile_step.json").write_text(json.dumps({"timed": [
         {"batch": 64, "step_ms": 3.3, "gpu_ms": 2.4, "async": {"step_ms": 2.5}, "async_speedup": 1.32}]}))
@@ -181,6 +182,8 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     b1 = fig["batch-1 decode step fp16, graphs on: kernel us (PDL on, overlapping) vs wall us"]
     assert b1["ours"] == 700.0 and b1["peer_value"] == 900.0 and "130.0 kernels" in b1["note"]
     assert fig["batch-1 decode step fp16, graphs off: kernel us (PDL off) vs wall us"]["ours"] == 800.0
+    mma = fig["offline w4a16 concurrency 64, int4 on tensor cores (ES_Q4_MMA=1) vs fp16"]
+    assert mma["ours"] == 19000.0 and mma["ratio"] == pytest.approx(19000.0 / 13317.3, abs=1e-3)
     assert "0.200 %" in fig["SmolLM2 perplexity, GPU vs CPU engine"]["note"]
     assert fig["SmolLM2 greedy tokens, tensor-core prompt path vs older kernel: prompts identical"]["ours"] == 23
 

@@ -162,6 +162,13 @@ def figures(state: Path, steps: dict) -> list[dict]:
             row(f"offline {k} concurrency {c}, async steps vs sync", f"serving.{k}_{'async' if legacy else 'sync'}",
                 a.get("tok_s"), syn.get(c, {}).get("tok_s"), f"offline {k} at {c}, sync steps",
                 note=f"step {a['bound']['ms_per_step_median']:.2f} ms, {100 * frac:.0f} % of the bound" if frac else None)
+    fp16 = {r["concurrency"]: r.get("tok_s") for r in (_load(fig / "serving_fp16.json") or {}).get("runs", [])}
+    w4 = {r["concurrency"]: r.get("tok_s") for r in (_load(fig / "serving_w4a16.json") or {}).get("runs", [])}
+    for r in (_load(fig / "serving_w4a16_mma.json") or {}).get("runs", []) or [{"concurrency": c} for c in (16, 64)]:
+        c = r["concurrency"]
+        row(f"offline w4a16 concurrency {c}, int4 on tensor cores (ES_Q4_MMA=1) vs fp16", "serving.w4a16_mma",
+            r.get("tok_s"), fp16.get(c), f"offline fp16 at {c}",
+            note=f"default w4a16 path {w4[c]:.0f} tok/s" if w4.get(c) else None)
     b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
     row("ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)", "serving.genai_b32", b32.get("decode_tok_s"),
         note=f"{b32['ms_per_tok']:.2f} ms/step, e2e {b32['e2e_tok_s']:.0f} tok/s" if b32.get("ms_per_tok") else None)

@@ -439,6 +439,10 @@ offline() {  # offline STEP ENGINE: bench --requests through the continuous batc
     # sync scheduling beside the default, async (one step in flight while the host prepares the next)
     step -o "$F/serving_$1_sync.json" serving "$1_sync" 180 env ES_ASYNC_STEPS=0 "${ES[@]}" bench \
         --engine "$E/$2" --device cuda --requests 64 --concurrency 16,64 "${r[@]}"
+    if [ "$1" = w4a16 ]; then   # int4 products of 5..64 rows on tensor cores (gemm_q4.cu, opt-in until measured)
+        step -o "$F/serving_$1_mma.json" serving "$1_mma" 180 env ES_Q4_MMA=1 "${ES[@]}" bench \
+            --engine "$E/$2" --device cuda --requests 64 --concurrency 16,64 "${r[@]}"
+    fi
 }
 if wants serving; then
     offline fp16 paged_fp16

@@ -52,6 +52,7 @@
 
 #include "attention.h"
 #include "gemv.h"
+#include "gemm_q4.h"
 #include "launch.cuh"
 #include "ort_abi.h"
 #include "paged_gqa.h"
@@ -261,6 +262,23 @@ OrtStatus* cuda_status(const Kernel& k, cudaError_t err) {
 // int4 weights for a GEMM are dequantized in slices of at most this many values (a bounded temporary).
 constexpr size_t kDequantSlice = size_t(16) << 20;
 
+// int4 weights, 5..64 rows, on tensor cores (gemm_q4.h; opt-in): the folded norm first, as on the cuBLAS
+// path, then the product straight from the int4 weights through an fp32 split-K workspace.
+OrtStatus* run_gemm_q4(const Kernel& k, const GemvProblem& p, cudaStream_t stream) {
+  __half* xn = nullptr;
+  float* workspace = nullptr;
+  cudaError_t err = cudaSuccess;
+  if (p.gamma && (err = cudaMallocAsync(reinterpret_cast<void**>(&xn), size_t(p.M) * p.K * sizeof(__half), stream)) ==
+      cudaSuccess)
+    err = enginesmith::rmsnorm_launch(p, xn, stream);
+  if (err == cudaSuccess)
+    err = cudaMallocAsync(reinterpret_cast<void**>(&workspace), enginesmith::gemm_q4_workspace_bytes(p), stream);
+  if (err == cudaSuccess) err = enginesmith::gemm_q4_launch(p, xn ? xn : p.x, workspace, stream);
+  if (workspace) cudaFreeAsync(workspace, stream);
+  if (xn) cudaFreeAsync(xn, stream);
+  return cuda_status(k, err);
+}
+
 OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx) {
   void* stream_ptr = nullptr;
   ORT_TRY(g_api->KernelContextGetGPUComputeStream(ctx, &stream_ptr));
@@ -268,6 +286,7 @@ OrtStatus* run_cuda(const Kernel& k, const GemvProblem& p, OrtKernelContext* ctx
   (void)cudaGetLastError();  // a launch is judged on its own error only
   const bool invariant = batch_invariant();
   if (p.M < kCublasMinRows && !invariant) return cuda_status(k, enginesmith::gemv_launch(p, stream));
+  if (!invariant && enginesmith::gemm_q4_applies(p)) return run_gemm_q4(k, p, stream);
   // GEMM path, with stream-ordered temporaries (capturable): the normalized x of a norm op, the up
   // product of a SwiGLU, a slice of dequantized int4 weights.
   const int nw = p.swiglu ? 2 : 1;

@@ -290,6 +290,45 @@ def test_cuda_norm_ops_match_cpu_kernels(ops_lib, m, n, k, bs, stream):
         assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 8, 16, 20, 33, 64])
+@pytest.mark.parametrize("n,k,bs", [(2048, 2048, 128), (1000, 512, 32), (3072, 8192, 64)])
+@pytest.mark.parametrize("stream", ["user", "ort"])
+def test_cuda_int4_tensor_core_path_matches_cpu_kernels(ops_lib, monkeypatch, m, n, k, bs, stream):
+    """ES_Q4_MMA=1: int4 products of 5..64 rows on tensor cores (plugins/ort_ops/gemm_q4.cu, split-K, the
+    weights dequantized in registers), plain and SwiGLU, against the CPU kernels."""
+    monkeypatch.setenv("ES_Q4_MMA", "1")
+    rng = np.random.default_rng(m + 100)
+    model, _ = _ops_graph(rng, (1, m), n=n, k=k, bs=bs)
+    x = rng.standard_normal((1, m, k)).astype(np.float16)
+    want = _session(model, ops_lib).run(None, {"x": x})
+    got = _session(model, ops_lib, cuda=stream).run(None, {"x": x})
+    for name, a, b in zip(("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits"), got, want):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 17, 64])
+@pytest.mark.parametrize("n,k,bs", [(2048, 2048, 128), (512, 16384, 64)])
+def test_cuda_int4_tensor_core_path_with_folded_norms(ops_lib, monkeypatch, m, n, k, bs):
+    """ES_Q4_MMA=1 with the norm ops: the norm kernel, then the tensor-core product from its rows."""
+    monkeypatch.setenv("ES_Q4_MMA", "1")
+    rng = np.random.default_rng(m + 200)
+    model, _, _, names = _norm_graph(rng, (1, m), n=n, k=k, bs=bs)
+    feeds = {"x": (rng.standard_normal((1, m, k)) * 3).astype(np.float16),
+             "skip": rng.standard_normal((1, m, k)).astype(np.float16)}
+    want = _session(model, ops_lib).run(None, feeds)
+    got = _session(model, ops_lib, cuda="ort").run(None, feeds)
+    for name, a, b in zip(names, got, want):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+
+
 def _teacher_forced_logits(engine_dir, device, prompt, follow):
     """Logits of a prefill of `prompt`, then of one decode step per token of `follow` (fp32, host)."""
     from enginesmith.runtime.engines.ort_cuda import open_gqa_engine

@@ -481,7 +481,7 @@ if wants profile; then   # where a step's time goes: the batched step (sync and 
 fi
 if wants accuracy; then  # GPU perplexity = the CPU engine's (0.5 %); 24 prompts' greedy tokens, prompt kernels old and new
     if engine_or_missing accuracy smollm2 smollm2_fp16; then
-        step accuracy smollm2 420 python3 "$REPO/benchmarks/gpu/accuracy.py" --engine "$E/smollm2_fp16" \
+        step accuracy smollm2 540 python3 "$REPO/benchmarks/gpu/accuracy.py" --engine "$E/smollm2_fp16" \
             --out "$F/accuracy_smollm2.json"
     fi
 fi

@@ -209,6 +209,11 @@ def profile_rows(fig: Path, row) -> None:
         row(f"paged decode step at batch {t['batch']}, async scheduling (sync beside)", "profile.step",
             a.get("step_ms"), t.get("step_ms"), "sync scheduling", unit="ms", ratio=t.get("async_speedup"),
             note=f"GPU {t['gpu_ms']:.2f} ms of the step; ratio = async speed-up" if t.get("gpu_ms") else None)
+    b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
+    ours32 = next((t for t in timed if t["batch"] == 32), {})
+    row("paged decode step at batch 32 (async) vs ORT GenAI's at batch 32", "profile.step",
+        (ours32.get("async") or {}).get("step_ms"), b32.get("ms_per_tok"), "ORT GenAI fp16 batch 32", unit="ms",
+        note="issue 29's target: ours faster (ratio < 1)")
     modes = (_load(fig / "profile_decode.json") or {}).get("modes", [])
     if not modes:
         row("batch-1 decode step, GPU busy time (decode_kernels.py)", "profile.decode", unit="us")

@@ -472,7 +472,7 @@ fi
 if wants profile; then   # where a step's time goes: the batched step (sync and async, kernels) and batch 1
     if engine_or_missing profile step paged_fp16; then
         step profile step 300 python3 "$REPO/benchmarks/serving/profile_step.py" --engine "$E/paged_fp16" \
-            --batch 1,16,64 --json-out "$F/profile_step.json"
+            --batch 1,16,32,64 --json-out "$F/profile_step.json"
     fi
     if engine_or_missing profile decode dense_fp16; then
         step profile decode 240 python3 "$REPO/benchmarks/gpu/decode_kernels.py" --engine "$E/dense_fp16" \

@@ -131,6 +131,8 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
     (fig / "profile_step.json").write_text(json.dumps({"timed": [
         {"batch": 32, "step_ms": 2.6, "gpu_ms": 1.9, "async": {"step_ms": 2.0}, "async_speedup": 1.3},
         {"batch": 64, "step_ms": 3.3, "gpu_ms": 2.4, "async": {"step_ms": 2.5}, "async_speedup": 1.32}]}))
+    (fig / "profile_step_waves4.json").write_text(json.dumps({"timed": [
+        {"batch": 64, "step_ms": 3.0, "gpu_ms": 2.0, "async": {"step_ms": 2.25}, "async_speedup": 1.33}]}))
     (fig / "profile_decode.json").write_text(json.dumps({"modes": [
         {"cuda_graph": True, "ms_per_step": 0.9, "gpu_us_per_step": 700.0, "gaps_us_per_step": 200.0,
          "kernels_per_step": 130.0, "top_kernels": [{"kernel": "gemv_kernel", "us_per_step": 400.0, "per_step": 64}]},
@@ -180,6 +182,8 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     assert fig["offline fp16 concurrency 64, async steps vs sync"]["ratio"] == pytest.approx(1 / 1.2, abs=1e-3)
     step64 = fig["paged decode step at batch 64, async scheduling (sync beside)"]
     assert step64["ours"] == 2.5 and step64["ratio"] == 1.32 and step64["status"] == "ok"
+    w64 = fig["paged decode step at batch 64, async, key splits for 4 waves (ES_PAGED_SPLIT_WAVES=4)"]
+    assert w64["ours"] == 2.25 and w64["peer_value"] == 2.5 and w64["ratio"] == 0.9
     b32 = fig["paged decode step at batch 32 (async) vs ORT GenAI's at batch 32"]
     assert b32["ours"] == 2.0 and b32["peer_value"] == pytest.approx(2.19, abs=0.01)
     b1 = fig["batch-1 decode step fp16, graphs on: kernel us (PDL on, overlapping) vs wall us"]

@@ -209,6 +209,13 @@ def profile_rows(fig: Path, row) -> None:
         row(f"paged decode step at batch {t['batch']}, async scheduling (sync beside)", "profile.step",
             a.get("step_ms"), t.get("step_ms"), "sync scheduling", unit="ms", ratio=t.get("async_speedup"),
             note=f"GPU {t['gpu_ms']:.2f} ms of the step; ratio = async speed-up" if t.get("gpu_ms") else None)
+    waves = {t["batch"]: t for t in (_load(fig / "profile_step_waves4.json") or {}).get("timed", [])}
+    base = {t["batch"]: t for t in timed}
+    for b in sorted(waves):
+        row(f"paged decode step at batch {b}, async, key splits for 4 waves (ES_PAGED_SPLIT_WAVES=4)",
+            "profile.step_waves4", (waves[b].get("async") or {}).get("step_ms"),
+            (base.get(b, {}).get("async") or {}).get("step_ms"), "default splits", unit="ms",
+            note="ratio < 1: more splits pay")
     b32 = (_load(fig / "serving_genai_b32.jsonl") or [{}])[-1]
     ours32 = next((t for t in timed if t["batch"] == 32), {})
     row("paged decode step at batch 32 (async) vs ORT GenAI's at batch 32", "profile.step",

@@ -473,6 +473,9 @@ if wants profile; then   # where a step's time goes: the batched step (sync and 
     if engine_or_missing profile step paged_fp16; then
         step profile step 300 python3 "$REPO/benchmarks/serving/profile_step.py" --engine "$E/paged_fp16" \
             --batch 1,16,32,64 --json-out "$F/profile_step.json"
+        # more key splits at mid batches (ES_PAGED_SPLIT_WAVES: the split choice aims at 4 waves of blocks)
+        step profile step_waves4 200 env ES_PAGED_SPLIT_WAVES=4 python3 "$REPO/benchmarks/serving/profile_step.py" \
+            --engine "$E/paged_fp16" --batch 16,32,64 --timed-only --json-out "$F/profile_step_waves4.json"
     fi
     if engine_or_missing profile decode dense_fp16; then
         step profile decode 240 python3 "$REPO/benchmarks/gpu/decode_kernels.py" --engine "$E/dense_fp16" \

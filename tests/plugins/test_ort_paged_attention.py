@@ -341,6 +341,20 @@ def test_cuda_matches_cpu(ops_lib, b, s, g, d, bs, past, stream):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("b,s,g,d,bs,past", [GPU_CASES[4], GPU_CASES[5], GPU_CASES[0]])
+def test_cuda_matches_cpu_with_splits_for_more_waves(ops_lib, monkeypatch, b, s, g, d, bs, past):
+    """ES_PAGED_SPLIT_WAVES=4 (more key splits at mid batches, for measuring) gives the CPU kernel's results."""
+    monkeypatch.setenv("ES_PAGED_SPLIT_WAVES", "4")
+    feeds, real = _gpu_case(b * 100 + s + d + bs, b, s, g, d, bs, past)
+    model = _model(g * HKV, HKV)
+    want = _session(model, ops_lib).run(None, feeds)
+    cuda = _session(model, ops_lib, cuda="ort")
+    for _ in range(2):
+        _compare_cuda(cuda.run(None, feeds), want, real)
+
+
+@gpu
+@pytest.mark.gpu
 def test_cuda_bad_device_data_gives_nan_rows(ops_lib):
     rng = np.random.default_rng(5)
     h, d, bs, s = 8, 64, 16, 5

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from enginesmith.core.errors import UserError
-from enginesmith.models import config_check, dir_manifest, random_tokenizer
+from enginesmith.models import config_check, dir_manifest, gguf_special_tokens, random_tokenizer
 from enginesmith.models.families import Family, check_config, family_of
 from enginesmith.core.paths import cache_dir, cache_fix, writing_to
 from enginesmith.core.progress import interactive
@@ -239,6 +239,7 @@ def _converted_gguf_dir(source: Source) -> Path:
         if not interactive():  # its bars would leave carriage returns and escape codes in a log
             hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_special_tokens.pin_special_tokens(tokenizer, gguf_special_tokens.gguf_special_ids(gguf))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         family_of(model.config)
         model.hf_quantizer = None  # save_pretrained refuses a quantizer-tagged model

@@ -319,3 +319,20 @@ def test_random_models_need_no_default_model_package(tmp_path):
     assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr
     template = (engine / "tokenizer" / "chat_template.jinja").read_text()
     assert template == random_tokenizer.CHAT_TEMPLATE
+
+
+def test_a_gguf_tokenizer_keeps_the_special_tokens_the_gguf_names():
+    """transformers' GGUF conversion has varied between versions (session 18: the H200 machine's made
+    SmolLM2's EOS <|im_start|>); the GGUF's own ids are applied after it (models/gguf_special_tokens.py)."""
+    from transformers import AutoTokenizer
+
+    from enginesmith.models.gguf_special_tokens import gguf_special_ids, pin_special_tokens
+
+    gguf = default_gguf()
+    ids = gguf_special_ids(gguf)
+    assert ids == {"bos_token": 1, "eos_token": 2, "pad_token": 2, "unk_token": 0}
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.eos_token = "<|im_start|>"  # as that version converted it
+    assert pin_special_tokens(tok, ids) == {"eos_token": ("<|im_start|>", "<|im_end|>")}
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert pin_special_tokens(tok, ids) == {}  # nothing left to change

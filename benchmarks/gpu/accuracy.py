@@ -1,8 +1,9 @@
 """Issue 30's accuracy checks of a CUDA engine directory (dense KV, built with --for-cuda):
 
-1. Perplexity: `enginesmith eval ppl` of the same engine on the GPU and on the CPU (ONNX Runtime's CPU
-   provider; the ops library's CPU kernels), the same text, tokens and protocol. Passes when the two differ
-   by at most --ppl-tolerance (0.5 %).
+1. Perplexity: `enginesmith eval ppl` of the engine on the GPU, and of the same model's CPU engine (what
+   `eval ppl --device cpu` builds: the default model, or --cpu-model), the same text, tokens and protocol.
+   Passes when the two differ by at most --ppl-tolerance (0.5 %). (The CUDA engine itself on the CPU runs
+   the ops library's CPU kernels, reference loops: minutes a window; session 18's run was cut there.)
 2. Greedy tokens: 24 prompts cut from a novel (lengths from 20 to ~1,500 tokens, so that both prompt kernels
    see work), --new-tokens greedy tokens each, with the default kernels and with the older prompt kernel
    (`ES_GQA_PREFILL=0`: the tensor-core prompt path off). Each side runs in its own process (the ops read
@@ -60,10 +61,11 @@ def _run(cmd: list[str], env: dict | None = None, timeout: int = 600) -> subproc
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
-def check_ppl(engine: str, tokens: int, window: int, tolerance: float) -> dict:
+def check_ppl(engine: str, tokens: int, window: int, tolerance: float, cpu_model: str | None) -> dict:
     result = {}
     for device in ("cuda", "cpu"):
-        proc = _run([sys.executable, "-P", "-m", "enginesmith.cli", "eval", "ppl", "--engine", engine,
+        source = ["--engine", engine] if device == "cuda" else (["--model", cpu_model] if cpu_model else [])
+        proc = _run([sys.executable, "-P", "-m", "enginesmith.cli", "eval", "ppl", *source,
                      "--device", device, "--tokens", str(tokens), "--window", str(window), "--json"])
         if proc.returncode != 0:
             return {"ok": False, "error": f"eval ppl --device {device}: {proc.stderr.strip()[-600:]}"}
@@ -71,7 +73,9 @@ def check_ppl(engine: str, tokens: int, window: int, tolerance: float) -> dict:
     rel = abs(result["cuda"]["ppl"] - result["cpu"]["ppl"]) / result["cpu"]["ppl"]
     return {"ok": rel <= tolerance, "ppl_cuda": result["cuda"]["ppl"], "ppl_cpu": result["cpu"]["ppl"],
             "relative_difference": rel, "tolerance": tolerance, "tokens": tokens, "window": window,
-            "protocol": result["cuda"].get("protocol"), "text": result["cuda"].get("text")}
+            "protocol": result["cuda"].get("protocol"), "text": result["cuda"].get("text"),
+            "prefix_token_ids": [result[d].get("prefix_token_id") for d in ("cuda", "cpu")],
+            "precisions": [result[d].get("precision") for d in ("cuda", "cpu")]}
 
 
 def check_greedy(engine: str, new_tokens: int, work: Path) -> dict:
@@ -102,6 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192, help="perplexity: the novel's first N tokens")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--ppl-tolerance", type=float, default=0.005)
+    ap.add_argument("--cpu-model", default=None, help="the CPU engine's model (default: enginesmith's default model)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -113,7 +118,8 @@ def main(argv=None) -> int:
     # finished (session 18: the CPU engine's perplexity is the slow part)
     result = {"gpu": torch.cuda.get_device_name(0), "engine": args.engine}
     for name, check in (("greedy", lambda: check_greedy(args.engine, args.new_tokens, args.out.parent)),
-                        ("ppl", lambda: check_ppl(args.engine, args.tokens, args.window, args.ppl_tolerance))):
+                        ("ppl", lambda: check_ppl(args.engine, args.tokens, args.window, args.ppl_tolerance,
+                                                   args.cpu_model))):
         t0 = time.time()
         result[name] = check() | {"seconds": round(time.time() - t0, 1)}
         args.out.write_text(json.dumps(result, indent=1))

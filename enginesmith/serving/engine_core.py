@@ -280,15 +280,20 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # a bug of ours, or the backend failing to open: one line for the front end
         first.send(("failed", "internal", f"{type(exc).__name__}: {str(exc)[:300]}", ""))
         return 1
+    receivers = []
     for peer in core.peers:
         try:
             peer.send(("ready", info))
         except OSError:  # that front end is gone already; its receiver sees it
             pass
-        threading.Thread(target=core.receive, args=(peer,), name=f"enginesmith-core-receiver-{peer.index}",
-                         daemon=True).start()
+        receivers.append(threading.Thread(target=core.receive, args=(peer,), daemon=True,
+                                          name=f"enginesmith-core-receiver-{peer.index}"))
+        receivers[-1].start()
     core.watch_parent()
-    if core.closing:
+    if core.closing:  # front end 0 stops its front ends before it closes us: let the others' leave() end first
+        deadline = time.monotonic() + FRONT_END_GONE_WAIT_S
+        for thread in receivers[1:]:
+            thread.join(max(0.0, deadline - time.monotonic()))
         core.loop.close()
         core.flush()
         return 0

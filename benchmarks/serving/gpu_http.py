@@ -9,6 +9,11 @@ is started on 127.0.0.1 and stopped by its PID.
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 128 --out-dir $OUT [--servers ours,triton]
     python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 64,128 \
         --servers ours,replicas --devices 0,1 --out-dir $OUT          # the two-GPU figure
+    python3 benchmarks/serving/gpu_http.py --engine /tmp/e/fp16 --requests 256 --concurrency 16,64 \
+        --servers ours --front-ends 1,2,4 --out-dir $OUT              # serve --front-ends N over one core
+
+--front-ends runs `ours` and `core` once per N (`serve --front-ends N`; results named ours_fe2, ...; N = 1
+is `ours` as before).
 
 The client is `bench serve --procs auto` (one process per 32 streams) unless --procs says otherwise.
 
@@ -115,11 +120,19 @@ def main() -> None:
                          "process reads ~25k events/s and must not cap the figure)")
     ap.add_argument("--servers", default="ours,triton", help="any of ours, core, thread, replicas, triton, triton_thread")
     ap.add_argument("--devices", default="0,1", help="replicas: the GPUs (serve --devices)")
+    ap.add_argument("--front-ends", default="1",
+                    help="ours, core: one run per N of this list, e.g. 1,2,4 (serve --front-ends N)")
     ap.add_argument("--out-dir", type=Path, required=True)
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = {}
-    for name in args.servers.split(","):
+    runs = [(name, n) for name in args.servers.split(",")
+            for n in (map(int, args.front_ends.split(",")) if name in ("ours", "core") else [1])]
+    for name, fronts in runs:
+        if fronts > 1:  # serve --front-ends N: N front-end processes over the one engine core
+            extra = ("--front-ends", str(fronts)) + (("--engine-core", "process") if name == "core" else ())
+            summary[f"{name}_fe{fronts}"] = table(ours(args, args.out_dir, f"{name}_fe{fronts}", extra))
+            continue
         if name == "triton":  # the model over an engine core process (enginesmith triton's default on a GPU)
             result = triton(args, args.out_dir)
         elif name == "triton_thread":  # the model's scheduler loop in its stub (enginesmith triton --engine-core thread)
@@ -132,12 +145,17 @@ def main() -> None:
             result = ours(args, args.out_dir, "thread", ("--engine-core", "thread"))
         else:
             result = ours(args, args.out_dir)
-        summary[name] = [{"concurrency": r["concurrency"], "procs": r.get("procs", 1), "tok_s": round(r["tok_s"], 1),
-                          "req_s": round(r["req_s"], 2),
-                          "ttft_ms_p50": r["ttft_ms"]["p50"], "itl_ms_p50": r["itl_ms"]["p50"],
-                          "itl_ms_p99": r["itl_ms"]["p99"], "errors": r["errors"]["by_kind"]}
-                         for r in result.get("runs", [])] or result
+        summary[name] = table(result)
     print(json.dumps(summary, indent=1))
+
+
+def table(result: dict):
+    """The summary rows of one server's bench serve result (or the result itself, an error)."""
+    return [{"concurrency": r["concurrency"], "procs": r.get("procs", 1), "tok_s": round(r["tok_s"], 1),
+             "req_s": round(r["req_s"], 2),
+             "ttft_ms_p50": r["ttft_ms"]["p50"], "itl_ms_p50": r["itl_ms"]["p50"],
+             "itl_ms_p99": r["itl_ms"]["p99"], "errors": r["errors"]["by_kind"]}
+            for r in result.get("runs", [])] or result
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     enginesmith serve --engine DIR | --model SPEC [--device auto|cpu|cuda] [--host 127.0.0.1] [--port 8000]
                       [--max-batch N] [--num-pages K] [--max-waiting N] [--api-key KEY] [--model-name NAME]
                       [--devices 0,1 | --replicas N] [--door-workers N] [--engine-core auto|thread|process]
+                      [--front-ends N]
 
     open the engine (runtime.load) ─▶ its PagedModel ─▶ one BatcherLoop (serving/loop.py) ─▶ the ASGI app
     ─▶ uvicorn; one line on stdout once it listens: "enginesmith serve: http://HOST:PORT ..."
@@ -12,6 +13,8 @@ child process that does nothing else (serving/engine_core.py); this process keep
 templates, tokenization, detokenization and stop strings, and talks to it through
 serving/core_client.py. A core that dies stops the server
 with one line and exit status 1; the core exits (its requests' pages freed) when this process dies.
+With --front-ends N, N processes do that front-end work on one port, over the one core
+(serving/front_ends.py): this one, which started the core and supervises, and N - 1 it spawns.
 
 With --devices 0,1 (or --replicas N on one device) this process is a front door instead
 (serving/front_door.py): it starts one such server per GPU as a child process (serving/replicas.py;
@@ -51,6 +54,7 @@ MAX_TIMEOUT_S = 86400.0
 MAX_CONNECTIONS = 1 << 20
 MAX_BODY_BYTES = 4 << 20  # serving.openai_api.MAX_BODY_BYTES (not imported: it needs starlette; --help works without)
 SPARE_FILES = 128         # open files a server process needs besides its connections (engine, logs, pipes)
+MAX_FRONT_ENDS = 32       # serving.front_ends.MAX_FRONT_ENDS (not imported: it needs uvicorn; --help works without)
 
 
 def add_parser(verbs) -> None:
@@ -94,6 +98,13 @@ def add_parser(verbs) -> None:
                    help="bytes of prompt text (all chat messages together) a request may send, checked before "
                         "tokenization (default: 16 per position of the engine, at least 32 KiB); the body itself "
                         "is at most 4 MiB")
+    g.add_argument("--front-ends", type=int, default=1, metavar="N",
+                   help="processes that do the HTTP, SSE, chat template, tokenizer and detokenizer work, on one port, "
+                        f"over one engine core process (default 1; at most {MAX_FRONT_ENDS}: each is a Python process "
+                        "with its own tokenizer, ~150 MB, and the core sends every one a frame per step). For many "
+                        "streams on a fast GPU, where one front end caps the tokens/s. N > 1 puts the engine core in "
+                        "a process (--engine-core auto) and is refused with --engine-core thread; several replicas "
+                        "have --door-workers instead")
     g.add_argument("--log-level", default="warning", choices=LOG_LEVELS, help="uvicorn's log level (default warning)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     r = p.add_argument_group("replicas (one engine process each, behind this one front door)")
@@ -156,6 +167,15 @@ def _check_flags(args) -> None:
     if args.door_workers is not None and args.devices is None and args.replicas == 1:
         raise UserError("--door-workers sizes the front door of several replicas; one server has none",
                         "add --devices 0,1 or --replicas N, or leave out --door-workers")
+    if not 1 <= args.front_ends <= MAX_FRONT_ENDS:
+        raise UserError(f"--front-ends {args.front_ends} is out of range", f"give --front-ends in [1, {MAX_FRONT_ENDS}]")
+    if args.front_ends > 1 and (args.devices is not None or args.replicas > 1):
+        raise UserError("--front-ends sizes one server's front ends; with --devices or --replicas the front door has "
+                        "--door-workers", "give --door-workers N instead of --front-ends")
+    if args.front_ends > 1 and args.engine_core == "thread":
+        raise UserError("--front-ends shares one engine core process between front-end processes; --engine-core "
+                        "thread runs the engine inside the one server process", "leave out --engine-core thread "
+                        "(auto or process), or --front-ends")
     if not args.start_timeout > 0:
         raise UserError(f"--start-timeout {args.start_timeout} is not positive", "give --start-timeout > 0 seconds")
     missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
@@ -229,7 +249,7 @@ def cmd_serve(args) -> int:
     if devices is not None or args.replicas > 1:
         return _serve_replicas(args, device, devices, config, api_key)
     watch_front_door()  # a replica of a front door: drain once that is gone
-    if core_placement(args.engine_core, device) == "process":
+    if core_placement(args.engine_core, device) == "process" or args.front_ends > 1:
         return _serve_core_process(args, device, config, api_key)
     args.batch = args.max_batch  # a --for-cuda paged engine opens with this many rows (default: its build's)
     loaded = load_engine(args, config)
@@ -250,26 +270,26 @@ def cmd_serve(args) -> int:
 def _serve_core_process(args, device: str, config: BuildConfig | None, api_key: str | None) -> int:
     """serve over an engine core child process (serving/core_client.py): the engine opens there; this
     process reads only the engine's manifest and tokenizer."""
-    from enginesmith.core import engine_dir  # deferred: only this path reads a manifest here
-    from enginesmith.runtime.protocols import LoadedEngine  # deferred: the runtime (optional; --help works without)
-    from enginesmith.runtime.text.tokenizer import Tokenizer  # deferred: imports tokenizers
     from enginesmith.serving.core_client import CoreClient  # deferred: imports the runtime
     from enginesmith.serving.engine_core import CoreSpec  # deferred: with the client above
+    from enginesmith.serving.front_ends import tokenizer_side  # deferred: imports uvicorn (optional)
 
     if args.engine and args.model:
         raise UserError("--engine and --model were both given", "pass only one of them")
     path = Path(args.engine).resolve() if args.engine else cached_engine(config)
     spec = CoreSpec(str(path), device, args.threads, args.max_batch, args.num_pages, args.chunk or CHUNK,
                     args.gpu_memory_utilization, CPU_MAX_BATCH)
-    loop = CoreClient.start(spec, args.max_waiting, args.start_timeout)  # the core verifies the engine's files
+    # the core verifies the engine's files
+    loop = CoreClient.start(spec, args.max_waiting, args.start_timeout, front_ends=args.front_ends)
     try:
-        loaded = LoadedEngine(path, engine_dir.read_manifest(path), None, Tokenizer(path / "tokenizer"))
+        loaded = tokenizer_side(path)
         info = loop.info
         name = args.model_name or loaded.manifest.source.name or loaded.path.name
         print(f"enginesmith serve: engine core pid {loop.pid}", file=sys.stderr, flush=True)
+        fronts = f", {args.front_ends} front-end processes" if args.front_ends > 1 else ""
         return _serve(args, loaded, loop, name, api_key,
-                      f"model {name!r}, {device}, engine core process (pid {loop.pid}), up to {info.max_batch} "
-                      f"requests a step, {info.num_pages - 1} KV pages of {info.page_size} tokens"
+                      f"model {name!r}, {device}, engine core process (pid {loop.pid}){fronts}, up to "
+                      f"{info.max_batch} requests a step, {info.num_pages - 1} KV pages of {info.page_size} tokens"
                       f"{', API key required' if api_key else ''}")
     finally:
         loop.close()
@@ -279,11 +299,17 @@ def _serve(args, loaded, loop, name: str, api_key: str | None, summary: str) -> 
     from enginesmith.serving.http_server import serve  # deferred: imports uvicorn (optional)
     from enginesmith.serving.openai_api import make_app  # deferred: imports starlette (optional)
 
-    app = make_app(loaded, loop, name, api_key, max_prompt_bytes=args.max_prompt_bytes)
+    fronts = args.front_ends
+    app = make_app(loaded, loop, name, api_key, max_prompt_bytes=args.max_prompt_bytes,
+                   front_end=0 if fronts > 1 else None)
     limits = _connection_limits(args)
+    failed: list[str] = []
     try:
-        cut_off = serve(app, app.state.api, loop, args.host, args.port, args.drain_timeout, summary,
-                        log_level=args.log_level, access_log=args.access_log, limits=limits)
+        if fronts > 1:
+            cut_off, failed = _serve_front_ends(args, app, loop, name, api_key, summary, limits)
+        else:
+            cut_off = serve(app, app.state.api, loop, args.host, args.port, args.drain_timeout, summary,
+                            log_level=args.log_level, access_log=args.access_log, limits=limits)
     except SystemExit:  # uvicorn's start-up failure (it logged why, e.g. the address is in use)
         raise UserError(f"cannot serve on {args.host}:{args.port} (see the message above)",
                         "choose another --port or --host, or stop what uses it") from None
@@ -291,10 +317,20 @@ def _serve(args, loaded, loop, name: str, api_key: str | None, summary: str) -> 
     if failure:
         print(f"enginesmith serve: stopped: {failure}; its requests ended with an error", file=sys.stderr)
         return 1
+    for line in failed:
+        print(f"enginesmith serve: {line}", file=sys.stderr)
     if cut_off:
         print(f"enginesmith serve: stopped; {cut_off} cut off requests still running", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if cut_off or failed else 0
+
+
+def _serve_front_ends(args, app, loop, name: str, api_key: str | None, summary: str, limits):
+    """_serve's server with --front-ends N > 1 (serving/front_ends.py): (cut off, other failures)."""
+    from enginesmith.serving.front_ends import FrontEndSpec, serve_front_ends  # deferred: imports uvicorn
+
+    spec = FrontEndSpec(str(app.state.api.loaded.path), name, api_key, args.max_prompt_bytes, args.max_waiting,
+                        args.front_ends, args.drain_timeout, args.log_level, args.access_log, limits)
+    return serve_front_ends(app, loop, spec, args.host, args.port, summary)
 
 
 def _serve_replicas(args, device: str, devices: list[int] | None, config: BuildConfig | None,

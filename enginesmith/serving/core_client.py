@@ -1,18 +1,25 @@
 """The front end's side of the engine core (serving/engine_core.py): CoreClient starts the core as a
-child process and stands in for a BatcherLoop (submit, cancel, events per request, stats, drain,
-close), so the HTTP front door (and later Triton's model) runs over either unchanged.
+child process (or, in a front end that `serve --front-ends N` spawned, attaches to the connection its
+supervisor made for it) and stands in for a BatcherLoop (submit, cancel, events per request, stats,
+drain, close), so the HTTP front door and Triton's model run over either unchanged.
 
     front end (this process)                                   engine core (child, by PID)
     submit ── checks (engine limits, max_waiting) ── ("add", …) ──▶ BatcherLoop.submit
-    cancel ─────────────────────────────────────── ("cancel", id) ─▶ BatcherLoop.cancel
+    cancel ─────────────────────────────────── ("cancel", id, stopped) ─▶ BatcherLoop.cancel
     handle.put(event) ◀── reader thread ◀── ("step", events, stats, ttft, itl) ◀── after each turn
     close ──────────────────────────────────────── ("close",) ────▶ loop.close; exit 0 (else killed)
 
 Admission happens here, without a round trip: UserError for a request the engine can never run
-(the core's limits, sent once when it is ready), Overloaded beyond `max_waiting` (the core's
-waiting count plus what was sent and not yet taken), Draining once drain() or close() began.
+(the core's limits, sent once when it is ready), Draining once drain() or close() began, and
+Overloaded unless W + N·u < max_waiting, where W is the core's waiting count in the last stats frame
+(every front end's requests), u this front end's adds sent since that frame and not yet taken, and
+N the number of front ends over the core. With N = 1 that is W + u < max_waiting: the queue never
+exceeds max_waiting. With N front ends that read the same frame, each sends at most
+ceil((max_waiting - W) / N) before the next one, so the queue is at most max_waiting + N - 1
+(tests/serving/test_front_ends.py floods two clients at once to check it). A front end still reading
+an older frame can add, at most, what it then saw as room.
 Stop strings are the caller's (TextStream sees them in the text it decodes anyway): a caller that
-ends a request at a stop string says cancel(id, stopped=True), and it counts as finished, not cancelled.
+ends a request at a stop string says cancel(id, stopped=True), and the core counts it as finished.
 
 A core that dies (its socket at EOF without close()) is a failure: every request in flight ends
 with ("error", ...) and `failure` says what happened in one line; the server exits on it.
@@ -79,16 +86,16 @@ class CoreLimits:
 class CoreClient:
     """A BatcherLoop's interface over an engine core process (start() makes one)."""
 
-    def __init__(self, proc: subprocess.Popen, conn: Connection, info: CoreInfo, max_waiting: int):
-        self.proc, self.conn, self.info = proc, conn, info
+    def __init__(self, proc: subprocess.Popen | None, conn: Connection, info: CoreInfo, max_waiting: int,
+                 front_ends: int = 1):
+        self.proc, self.conn, self.info = proc, conn, info   # proc: None in a front end that attached
         self.batcher = CoreLimits(info)
-        self.max_waiting = max_waiting
+        self.max_waiting, self.front_ends = max_waiting, front_ends
+        self.spare: list[socket.socket] = []  # the other front ends' connections (start(front_ends=N)), to hand on
         self._handles: dict[str, Handle] = {}
-        self._stopped: set[str] = set()   # ended by the caller at a stop string: counted as finished
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._core = (0, 0, 0, info.num_pages - 1, 0, 0, 0, 0, 0)  # the core's last stats tuple
-        self._stop_adjust = 0
         self._sent = 0
         self._ttft: list[float] = []
         self._itl: list[float] = []
@@ -101,27 +108,56 @@ class CoreClient:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.info.pid
 
     @classmethod
-    def start(cls, spec: CoreSpec, max_waiting: int = 256, timeout: float = 600.0) -> "CoreClient":
+    def start(cls, spec: CoreSpec, max_waiting: int = 256, timeout: float = 600.0,
+              front_ends: int = 1) -> "CoreClient":
         """Start the core on `spec`'s engine and wait until it is ready. UserError/EngineError as the
-        core reports them (no paged KV, a bad engine directory), or when it dies or takes over `timeout` s."""
-        ours, theirs = socket.socketpair()
+        core reports them (no paged KV, a bad engine directory), or when it dies or takes over `timeout` s.
+        front_ends > 1: the core gets that many connections; `spare` holds the other front ends' ends
+        (each to go to one process, which attach()es to it; close this process's copies once handed on)."""
+        pairs = [socket.socketpair() for _ in range(front_ends)]
+        fds = [theirs.fileno() for _, theirs in pairs]
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "enginesmith.serving.engine_core", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen([sys.executable, "-m", "enginesmith.serving.engine_core", *map(str, fds)],
+                                    pass_fds=fds, stdin=subprocess.DEVNULL)
+        except BaseException:
+            for pair in pairs:
+                pair[0].close()
+            raise
         finally:
-            theirs.close()
-        conn = Connection(ours.detach())
+            for _, theirs in pairs:
+                theirs.close()
+        conn = Connection(pairs[0][0].detach())
         try:
             conn.send_bytes(pickle.dumps(spec))
             reply = _wait_ready(proc, conn, timeout)
         except BaseException:
             _stop(proc)
             conn.close()
+            for ours, _ in pairs[1:]:
+                ours.close()
             raise
-        return cls(proc, conn, reply, max_waiting)
+        client = cls(proc, conn, reply, max_waiting, front_ends)
+        client.spare = [ours for ours, _ in pairs[1:]]
+        return client
+
+    @classmethod
+    def attach(cls, sock: socket.socket, max_waiting: int, front_ends: int, timeout: float = 60.0) -> "CoreClient":
+        """The client of a front end that another process spawned, over the connection `sock` it was handed
+        (one of that process's client.spare): the core's ("ready", CoreInfo) is its first frame."""
+        conn = Connection(sock.detach())
+        try:
+            if not conn.poll(timeout):
+                raise UserError(f"the engine core sent nothing in {timeout:g} s", "see the server's messages")
+            reply = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            conn.close()
+            raise UserError("the engine core closed the connection before it was ready",
+                            "see the server's messages") from None
+        assert reply[0] == "ready", reply[0]
+        return cls(None, conn, reply[1], max_waiting, front_ends)
 
     # ------------------------------------------------------------------ BatcherLoop's interface
     def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
@@ -135,9 +171,9 @@ class CoreClient:
             raise Draining("the server is shutting down")
         self.batcher.check_request(prompt, max_new_tokens, stop_strings)
         with self._lock:
-            waiting = self._core[1] + self._sent - self._core[8]
-            if waiting >= self.max_waiting:
-                raise Overloaded(waiting)
+            unacked = self._sent - self._core[8]
+            if self._core[1] + self.front_ends * unacked >= self.max_waiting:  # the rule in the module doc
+                raise Overloaded(self._core[1] + unacked)
             rid = f"c{next(self._ids)}"
             handle = self._handles[rid] = Handle(rid, len(prompt), sink)
             self._sent += 1
@@ -154,18 +190,16 @@ class CoreClient:
         with self._lock:
             if request_id not in self._handles:
                 return
-            if stopped:
-                self._stopped.add(request_id)
         try:
-            self._send(("cancel", request_id))
+            self._send(("cancel", request_id, stopped))
         except OSError:
             pass
 
     def stats(self) -> LoopStats:
         with self._lock:
             running, waiting, used, total, finished, cancelled, prompt, generated, taken = self._core
-            return LoopStats(running, waiting + self._sent - taken, used, total, finished + self._stop_adjust,
-                             cancelled - self._stop_adjust, prompt, generated, list(self._ttft), list(self._itl))
+            return LoopStats(running, waiting + self._sent - taken, used, total, finished, cancelled, prompt,
+                             generated, list(self._ttft), list(self._itl))
 
     def take_observations(self) -> tuple[list[float], list[float]]:
         """The TTFT and ITL observations since the last call (for histograms), cleared."""
@@ -180,7 +214,7 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        return self._failure is None and self.proc.poll() is None
+        return self._failure is None and (self.proc is None or self.proc.poll() is None)
 
     @property
     def failure(self) -> str | None:
@@ -193,15 +227,19 @@ class CoreClient:
         return wait_drained(lambda: self.in_flight, timeout)
 
     def close(self) -> None:
-        """Stop the core (asked, then by PID after CLOSE_WAIT_S); requests in flight end with an error event."""
+        """Stop the core (asked, then by PID after CLOSE_WAIT_S), or, attached, leave it (it cancels what is
+        left of ours); requests in flight end with an error event."""
         self._accepting = False
         self._closing = True
         try:
             self._send(("close",))
         except OSError:
             pass
-        _stop(self.proc, CLOSE_WAIT_S)
-        self._reader.join(timeout=5)
+        for sock in self.spare:
+            sock.close()
+        if self.proc is not None:
+            _stop(self.proc, CLOSE_WAIT_S)
+        self._reader.join(timeout=5)  # the core closes its end: the process exited, or it let us go
         self.conn.close()
         self._end_all("the server stopped")
 
@@ -220,7 +258,8 @@ class CoreClient:
         except (EOFError, OSError):
             pass
         if not self._closing:
-            self._failure = f"the engine core (pid {self.pid}) {_how_it_ended(self.proc)}"
+            how = _how_it_ended(self.proc) if self.proc is not None else "closed its connection"
+            self._failure = f"the engine core (pid {self.pid}) {how}"
             self._end_all(self._failure)
 
     def _deliver(self, events: list[tuple], stats: tuple, ttft: list[float], itl: list[float]) -> None:
@@ -230,13 +269,7 @@ class CoreClient:
             self._ttft += ttft
             self._itl += itl
             for rid, event in events:
-                if event[0] == "token":
-                    handle = self._handles.get(rid)
-                else:
-                    handle = self._handles.pop(rid, None)
-                    if rid in self._stopped:
-                        self._stopped.discard(rid)
-                        self._stop_adjust += event[0] == "done" and event[1] == "cancelled"
+                handle = self._handles.get(rid) if event[0] == "token" else self._handles.pop(rid, None)
                 if handle is not None:
                     handles.append((handle, event))
         for handle, event in handles:
@@ -245,7 +278,6 @@ class CoreClient:
     def _end_all(self, message: str) -> None:
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
-            self._stopped.clear()
         for handle in handles:
             handle.put(("error", message))
 

@@ -1,4 +1,6 @@
-"""The front door's extra worker processes: more cores to accept requests and relay the replicas' bytes.
+"""Extra worker processes on one listening socket: the front door's (more cores to accept requests and relay
+the replicas' bytes, `serve --door-workers`), and one server's front ends over one engine core
+(`serve --front-ends`, serving/front_ends.py).
 
     front door process (worker 0: uvicorn + the supervision, serving/front_door.py)
         binds host:port once ─▶ one listening socket ─┬─▶ its own uvicorn
@@ -11,7 +13,8 @@ writes it); two GPUs make ~20k tokens/s, more than one core relays. Each worker 
 board (serving/door_board.py), so "the replica with the fewest in flight" is counted over all of them.
 
 Workers are `multiprocessing` spawn processes (a fresh interpreter: no forked CUDA or thread state); the
-socket and the board go to each as Process arguments. They are stopped by the supervisor: `drain` (SIGTERM:
+socket and the spec (for the front door: the board) go to each as Process arguments, and what one worker alone
+gets (a front end's connection to the engine core) as one more. They are stopped by the supervisor: `drain` (SIGTERM:
 503 for new requests, exit once their relays are done), then `stop` (SIGTERM, then SIGKILL after the grace
 time; every one joined). A worker whose supervisor is gone drains and exits by itself.
 """
@@ -25,7 +28,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from enginesmith.serving.conn_guard import ConnectionLimits
 from enginesmith.serving.door_board import DoorBoard
@@ -64,18 +67,20 @@ class DoorWorkers:
         self.workers = workers
 
     @classmethod
-    def start(cls, target: Callable, spec: WorkerSpec, sock: socket.socket, count: int) -> "DoorWorkers":
-        """Spawn count - 1 processes running target(spec, sock, index, supervisor pid); each announces its pid on
-        stderr (so that whoever started the server can stop it by PID)."""
+    def start(cls, target: Callable, spec, sock: socket.socket, count: int, own: Sequence | None = None,
+              label: str = "front-door worker") -> "DoorWorkers":
+        """Spawn count - 1 processes running target(spec, sock, index, supervisor pid[, own[index - 1]]); each
+        announces itself as `label` and its pid on stderr (so that whoever started the server can stop it by PID)."""
         ctx = multiprocessing.get_context("spawn")
         workers: list[DoorWorker] = []
         try:
             for index in range(1, count):
-                process = ctx.Process(target=target, args=(spec, sock, index, os.getpid()),
-                                      name=f"enginesmith-door-{index}", daemon=True)
+                mine = () if own is None else (own[index - 1],)
+                process = ctx.Process(target=target, args=(spec, sock, index, os.getpid(), *mine),
+                                      name=f"enginesmith-{label.replace(' ', '-')}-{index}", daemon=True)
                 process.start()
                 workers.append(DoorWorker(index, process))
-                print(f"enginesmith serve: front-door worker {index} (pid {process.pid})", file=sys.stderr, flush=True)
+                print(f"enginesmith serve: {label} {index} (pid {process.pid})", file=sys.stderr, flush=True)
         except BaseException:
             cls(workers).stop(0.0)
             raise
@@ -87,6 +92,9 @@ class DoorWorkers:
     def dead(self) -> list[DoorWorker]:
         """Workers that exited (any status) while they should be serving."""
         return [w for w in self.workers if w.exitcode is not None]
+
+    def running(self) -> list[DoorWorker]:
+        return [w for w in self.workers if w.exitcode is None]
 
     def drain(self) -> None:
         for w in self.workers:

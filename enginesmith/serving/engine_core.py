@@ -1,25 +1,33 @@
 """The engine core: a child process that owns one BatcherLoop (scheduler, KV pages, engine steps) and
-does nothing else; the front end (HTTP, chat templates, tokens to text and back) talks to it over
-one socket (serving/core_client.py is the other end).
+does nothing else; front ends (HTTP, chat templates, tokens to text and back) talk to it over one
+socket each (serving/core_client.py is the other end; `serve --front-ends N` gives it N of them).
 
-    front end (CoreClient)                         this process
-    spawn: python -m enginesmith.serving.engine_core FD
-    ── CoreSpec ──────────────────────────────────▶ open the engine (runtime.load), its PagedModel
-    ◀─ ("ready", CoreInfo) | ("failed", kind, what, fix)
-    ── ("add", id, prompt, max_new, stop ids, sampling) ─▶ loop.submit      (a receiver thread)
-    ── ("cancel", id) ───────────────────────────────────▶ loop.cancel
-    ── ("close",) ───────────────────────────────────────▶ loop.close, exit 0
-    ◀─ ("step", events, stats, ttft, itl) ─ one frame per turn of the loop thread that changed anything:
-                                           [(id, event), ...] (serving/loop.py's events), the stats tuple
+    front end k (CoreClient)                       this process
+    spawn: python -m enginesmith.serving.engine_core FD0 [FD1 ...]   (one socket per front end)
+    ── CoreSpec (on FD0 only) ────────────────────▶ open the engine (runtime.load), its PagedModel
+    ◀─ ("ready", CoreInfo) on every FD | ("failed", kind, what, fix) on FD0
+    ── ("add", id, prompt, max_new, stop ids, sampling) ─▶ loop.submit as "k:id"  (a receiver thread per FD)
+    ── ("cancel", id, stopped) ──────────────────────────▶ loop.cancel("k:id")
+    ── ("close",) ───────────────────────────────────────▶ FD0: loop.close, exit 0; FD k: front end k leaves
+    ◀─ ("step", events, stats, ttft, itl) ─ one frame per turn of the loop thread that changed anything, to
+                                           each front end: [(id, event), ...] of ITS requests only (serving/
+                                           loop.py's events), the stats tuple (the whole core's figures, and
+                                           the adds taken from that front end), every TTFT/ITL observation
 
-Frames are pickled tuples (multiprocessing.connection: a length prefix, then the bytes); the front end
-is this process's parent and its only peer, so nothing untrusted is unpickled. Stop strings stay in
-the front end (which decodes the text anyway): the core gets stop token ids only, and never decodes.
+Request ids are the front end's own; the core namespaces them by connection ("k:id"), so two front ends
+never collide, and a request's events go only to the connection that added it. Frames are pickled tuples
+(multiprocessing.connection: a length prefix, then the bytes); every FD was made by the process that
+spawned the core (FD0 its own end; the others it hands to the front ends it spawns itself), so every peer
+is ours and nothing untrusted is unpickled. Stop strings stay in the front ends (which decode the text
+anyway): the core gets stop token ids only, and never decodes; a request a front end ends at a stop
+string ("cancel" with stopped) counts as finished here, so every front end reports the same counts.
 
-The front end going away (its socket at EOF, or its PID no longer our parent) makes the core cancel
-every request, wait (bounded) until their pages are back, say so in one line on stderr, and exit:
-no orphan holds the GPU. SIGINT is ignored (a Ctrl-C reaches the front end, which drains, then
-closes the core); SIGTERM or SIGKILL by PID end the core, and the front end reports it.
+Front end 0 going away (its socket at EOF, or its PID no longer our parent) makes the core cancel every
+request, wait (bounded) until their pages are back, say so in one line on stderr, and exit: no orphan
+holds the GPU. Front end k > 0 going away (EOF without "close") cancels its requests only, waits for
+their pages, says so in one line, and the core serves on (front end 0, its supervisor, decides what
+next). SIGINT is ignored (a Ctrl-C reaches the front ends, which drain, then close the core); SIGTERM
+or SIGKILL by PID end the core, and every front end reports it.
 """
 
 from __future__ import annotations
@@ -82,12 +90,6 @@ class CoreInfo:
     request_pages: int | None   # the most pages one request holds whatever its length (a window), or None
 
 
-def send(conn: Connection, lock: threading.Lock, message: tuple) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    with lock:
-        conn.send_bytes(data)
-
-
 def open_loop(spec: CoreSpec, after_iteration):
     """The BatcherLoop over the engine of `spec`, and its CoreInfo. UserError/EngineError as serve gives them."""
     from enginesmith.runtime.load import open_engine  # deferred: the runtime, once the spec arrived
@@ -114,81 +116,144 @@ def _request_pages(batcher) -> int | None:
     return None if cap >= huge // batcher.model.page_size else int(cap)
 
 
-class EngineCore:
-    """The core's side of the socket: requests in (a receiver thread), events out (the loop thread)."""
+class Peer:
+    """One front end's connection: its requests (loop ids "index:id"), the adds taken from it."""
 
-    def __init__(self, conn: Connection, parent_pid: int):
-        self.conn, self.parent_pid = conn, parent_pid
+    def __init__(self, index: int, conn: Connection):
+        self.index, self.conn = index, conn
+        self.send_lock = threading.Lock()
+        self.live: set[str] = set()        # its ids submitted, not ended
+        self.stopped: set[str] = set()     # its ids it ended at a stop string (they count as finished)
+        self.taken = 0                     # adds given to the loop (the front end counts what it sent)
+        self.last_stats: tuple | None = None
+        self.gone = False                  # EOF, a failed send, or "close"
+        self._closed = False
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.send_lock:
+            if self._closed:
+                raise OSError("the connection is closed")
+            self.conn.send_bytes(data)
+
+    def close(self) -> None:
+        """Close our end (its reader sees EOF); under the send lock, so the loop thread never writes to a
+        closed, maybe reused, descriptor."""
+        with self.send_lock:
+            self._closed = True
+            self.conn.close()
+
+
+class EngineCore:
+    """The core's side of the sockets: requests in (a receiver thread per front end), events out (the loop
+    thread)."""
+
+    def __init__(self, conns: list[Connection], parent_pid: int):
+        self.peers = [Peer(k, conn) for k, conn in enumerate(conns)]
+        self.parent_pid = parent_pid
         self.loop = None
-        self._send_lock = threading.Lock()
-        self._outbox: list[tuple] = []         # (id, event) of this turn; appended on the loop thread
+        self._outbox: list[tuple] = []         # (peer, id, event) of this turn; appended on the loop thread
         self._out_lock = threading.Lock()
-        self._live: set[str] = set()           # ids submitted, not ended
-        self._taken = 0                        # adds given to the loop (the front end counts what it sent)
-        self._last_stats: tuple | None = None
-        self.gone = threading.Event()          # the front end went away, or asked us to close
+        self._stop_adjust = 0                  # requests ended at a stop string: finished, not cancelled
+        self.gone = threading.Event()          # front end 0 went away, or asked us to close
         self.closing = False                   # ... and which: True when it asked
 
-    def sink(self, request_id: str):
+    def sink(self, peer: Peer, request_id: str):
         def put(event: tuple) -> None:
             with self._out_lock:
-                self._outbox.append((request_id, event))
+                self._outbox.append((peer, request_id, event))
         return put
 
     def flush(self) -> None:
-        """Send this turn's events and the stats, if anything changed (on the loop thread)."""
+        """Send this turn's events and the stats to each front end, if anything changed (the loop thread)."""
         with self._out_lock:
             events, self._outbox = self._outbox, []
-        for rid, event in events:
+        mine: dict[int, list[tuple]] = {}
+        for peer, rid, event in events:
             if event[0] != "token":
-                self._live.discard(rid)
+                peer.live.discard(rid)
+                if rid in peer.stopped:
+                    peer.stopped.discard(rid)
+                    self._stop_adjust += event[:2] == ("done", "cancelled")
+            mine.setdefault(peer.index, []).append((rid, event))
         ttft, itl = self.loop.take_observations()
         s = self.loop.stats()
-        stats = (s.running, s.waiting, s.pages_used, s.pages_total, s.requests_finished, s.requests_cancelled,
-                 s.prompt_tokens, s.generated_tokens, self._taken)
-        if not events and not ttft and not itl and stats == self._last_stats:
-            return
-        self._last_stats = stats
-        try:
-            send(self.conn, self._send_lock, ("step", events, stats, ttft, itl))
-        except OSError:  # the front end is gone: the receiver sees the EOF and ends the core
-            self.gone.set()
+        core = (s.running, s.waiting, s.pages_used, s.pages_total, s.requests_finished + self._stop_adjust,
+                s.requests_cancelled - self._stop_adjust, s.prompt_tokens, s.generated_tokens)
+        for peer in self.peers:
+            stats = (*core, peer.taken)
+            if peer.gone or (peer.index not in mine and not ttft and not itl and stats == peer.last_stats):
+                continue
+            peer.last_stats = stats
+            try:
+                peer.send(("step", mine.get(peer.index, []), stats, ttft, itl))
+            except OSError:  # that front end is gone: its receiver sees the EOF and cancels its requests
+                peer.gone = True
+                if peer.index == 0:
+                    self.gone.set()
 
-    def receive(self) -> None:
-        """Apply the front end's messages until it closes us or goes away (the receiver thread)."""
+    def receive(self, peer: Peer) -> None:
+        """Apply one front end's messages until it closes or goes away (its receiver thread)."""
+        said_close = False
         try:
             while True:
-                message = pickle.loads(self.conn.recv_bytes())
+                message = pickle.loads(peer.conn.recv_bytes())
                 if message[0] == "add":
-                    self._add(*message[1:])
+                    self._add(peer, *message[1:])
                 elif message[0] == "cancel":
-                    self.loop.cancel(message[1])
+                    if message[2]:
+                        peer.stopped.add(message[1])
+                    self.loop.cancel(f"{peer.index}:{message[1]}")
                 elif message[0] == "close":
-                    self.closing = True
+                    said_close = True
                     break
         except (EOFError, OSError):
             pass
-        self.gone.set()
+        peer.gone = True
+        if peer.index == 0:
+            self.closing = said_close
+            self.gone.set()
+        else:
+            peer.close()
+            self.leave(peer, said_close)
 
-    def _add(self, rid: str, prompt: list[int], max_new: int, stop_ids: tuple, sampling) -> None:
-        self._live.add(rid)
+    def _add(self, peer: Peer, rid: str, prompt: list[int], max_new: int, stop_ids: tuple, sampling) -> None:
+        peer.live.add(rid)
         try:
-            self.loop.submit(prompt, max_new, stop_ids, (), sampling, sink=self.sink(rid), request_id=rid)
+            self.loop.submit(prompt, max_new, stop_ids, (), sampling, sink=self.sink(peer, rid),
+                             request_id=f"{peer.index}:{rid}")
         except Exception as exc:  # the front end checked it already: a refusal here ends that request only
-            self.sink(rid)(("error", f"the engine core refused the request: {exc}"))
-        self._taken += 1
+            self.sink(peer, rid)(("error", f"the engine core refused the request: {exc}"))
+        peer.taken += 1
+
+    def leave(self, peer: Peer, said_close: bool) -> None:
+        """Front end k > 0 went away: cancel its requests and wait (bounded) until they ended; a line on
+        stderr unless it said goodbye with nothing in flight."""
+        live = self._cancel(peer)
+        deadline = time.monotonic() + FRONT_END_GONE_WAIT_S
+        while peer.live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if live or not said_close:
+            how = "closed its connection" if said_close else "went away"
+            print(f"enginesmith engine core (pid {os.getpid()}): front end {peer.index} {how}; cancelled "
+                  f"{len(live)} requests, {len(peer.live)} still ending, KV pages in use: "
+                  f"{self.loop.stats().pages_used}", file=sys.stderr, flush=True)
+
+    def _cancel(self, peer: Peer) -> list[str]:
+        live = list(peer.live)
+        for rid in live:
+            self.loop.cancel(f"{peer.index}:{rid}")
+        return live
 
     def watch_parent(self) -> None:
-        """Block until the front end is gone (or closed us): its socket's EOF, or a new parent PID."""
+        """Block until front end 0 is gone (or closed us): its socket's EOF, or a new parent PID."""
         while not self.gone.wait(PARENT_POLL_S):
             if os.getppid() != self.parent_pid:
                 self.gone.set()
 
     def free_and_exit(self) -> int:
-        """The front end is gone: cancel every request, wait for the pages, one line on stderr."""
-        live = list(self._live)
-        for rid in live:
-            self.loop.cancel(rid)
+        """Front end 0 is gone: cancel every request, wait for the pages, one line on stderr."""
+        live = [rid for peer in self.peers for rid in self._cancel(peer)]
         deadline = time.monotonic() + FRONT_END_GONE_WAIT_S
         while (self.loop.in_flight or self.loop.stats().pages_used) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -200,25 +265,35 @@ class EngineCore:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m enginesmith.serving.engine_core FD`: serve the front end on the socket FD until it
-    closes us (exit 0) or goes away (its requests' pages freed, then exit)."""
+    """`python -m enginesmith.serving.engine_core FD0 [FD1 ...]`: serve the front ends on the sockets until
+    front end 0 closes us (exit 0) or goes away (every request's pages freed, then exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(int(argv[0]))
-    core = EngineCore(conn, os.getppid())
-    spec: CoreSpec = pickle.loads(conn.recv_bytes())
+    core = EngineCore([Connection(int(fd)) for fd in argv], os.getppid())
+    first = core.peers[0]
+    spec: CoreSpec = pickle.loads(first.conn.recv_bytes())
     try:
         core.loop, info = open_loop(spec, core.flush)
     except UserError as exc:
         kind = "engine" if isinstance(exc, EngineError) else "user"
-        send(conn, core._send_lock, ("failed", kind, exc.what, exc.fix))
+        first.send(("failed", kind, exc.what, exc.fix))
         return 2
     except Exception as exc:  # a bug of ours, or the backend failing to open: one line for the front end
-        send(conn, core._send_lock, ("failed", "internal", f"{type(exc).__name__}: {str(exc)[:300]}", ""))
+        first.send(("failed", "internal", f"{type(exc).__name__}: {str(exc)[:300]}", ""))
         return 1
-    send(conn, core._send_lock, ("ready", info))
-    threading.Thread(target=core.receive, name="enginesmith-core-receiver", daemon=True).start()
+    receivers = []
+    for peer in core.peers:
+        try:
+            peer.send(("ready", info))
+        except OSError:  # that front end is gone already; its receiver sees it
+            pass
+        receivers.append(threading.Thread(target=core.receive, args=(peer,), daemon=True,
+                                          name=f"enginesmith-core-receiver-{peer.index}"))
+        receivers[-1].start()
     core.watch_parent()
-    if core.closing:
+    if core.closing:  # front end 0 stops its front ends before it closes us: let the others' leave() end first
+        deadline = time.monotonic() + FRONT_END_GONE_WAIT_S
+        for thread in receivers[1:]:
+            thread.join(max(0.0, deadline - time.monotonic()))
         core.loop.close()
         core.flush()
         return 0

@@ -19,6 +19,13 @@ Names (all prefixed enginesmith_):
 
 The loop keeps its TTFT/ITL observations until taken; sampling takes them every second, so they
 never pile up whether or not anyone scrapes.
+
+Several front ends over one engine core (`serve --front-ends N`, serving/front_ends.py): a scrape reaches
+one of them. Every figure above but one is the core's, the same on each front end (requests_waiting adds
+that front end's requests sent and not yet taken; the histograms hold what the core observed since that
+front end connected), so no scrape double-counts the engine. requests_rejected_total is counted by each
+front end's HTTP layer and carries a front_end="k" label there: each front end's series is its own, and
+their sum is the server's.
 """
 
 from __future__ import annotations
@@ -63,8 +70,9 @@ class Histogram:
 class ServerMetrics:
     """The metrics of one loop; `rejected(reason)` counts requests refused before they reached it."""
 
-    def __init__(self, loop, window_s: float = WINDOW_S):
+    def __init__(self, loop, window_s: float = WINDOW_S, front_end: int | None = None):
         self.loop = loop
+        self.label = "" if front_end is None else f'front_end="{front_end}",'
         self.window_s = window_s
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -119,7 +127,8 @@ class ServerMetrics:
                   f"# HELP {p}requests_rejected_total Requests refused before generation, by reason.",
                   f"# TYPE {p}requests_rejected_total counter"]
         with self._lock:
-            lines += [f'{p}requests_rejected_total{{reason="{r}"}} {n}' for r, n in self.rejections.items()]
+            lines += [f'{p}requests_rejected_total{{{self.label}reason="{r}"}} {n}'
+                      for r, n in self.rejections.items()]
             one("generation_tokens_per_second", "gauge",
                 f"Tokens generated per second over the last {self.window_s:g} s.", self._rate())
             lines += self.ttft.lines(f"{p}time_to_first_token_seconds",

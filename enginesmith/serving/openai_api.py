@@ -205,7 +205,7 @@ class OpenAIServer:
 
     def __init__(self, loaded, loop: BatcherLoop, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, completion_max_tokens: int = COMPLETION_MAX_TOKENS,
-                 metrics_interval_s: float = 1.0, max_prompt_bytes: int | None = None):
+                 metrics_interval_s: float = 1.0, max_prompt_bytes: int | None = None, front_end: int | None = None):
         self.loaded, self.loop, self.model_name = loaded, loop, model_name
         self.tokenizer = loaded.tokenizer
         self.api_key = api_key.encode() if api_key else None
@@ -215,7 +215,7 @@ class OpenAIServer:
         self.max_prompt_bytes = max_prompt_bytes or default_prompt_bytes(self._positions())
         self.stop_ids = stop_token_ids(loaded.tokenizer, loaded.manifest)
         self.vocab = loaded.manifest.model.vocab or len(loaded.tokenizer)
-        self.metrics = ServerMetrics(loop)
+        self.metrics = ServerMetrics(loop, front_end=front_end)  # front_end: k of serve --front-ends N > 1
         self.draining = False
         self.created = int(time.time())
         self.relay: EventRelay | None = None
@@ -419,8 +419,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def make_app(loaded, loop: BatcherLoop, model_name: str, api_key: str | None = None, **options) -> Starlette:
     """The ASGI app serving `loaded` (a LoadedEngine) through `loop` under `model_name`; `options` are
-    OpenAIServer's (max_body_bytes, completion_max_tokens, metrics_interval_s, max_prompt_bytes). The OpenAIServer is
-    app.state.api (its begin_drain() is what a shutdown calls first)."""
+    OpenAIServer's (max_body_bytes, completion_max_tokens, metrics_interval_s, max_prompt_bytes, front_end).
+    The OpenAIServer is app.state.api (its begin_drain() is what a shutdown calls first)."""
     api = OpenAIServer(loaded, loop, model_name, api_key, **options)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

@@ -117,6 +117,9 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
     for run in core["runs"]:  # the engine core process's run: the same shape, other figures
         run["tok_s"] *= 1.25
     (fig / "http_fp16/bench_serve_core.json").write_text(json.dumps(core))
+    for run in core["runs"]:  # two front ends over the core
+        run["tok_s"] *= 1.1
+    (fig / "http_fp16/bench_serve_core_fe2.json").write_text(json.dumps(core))
     (fig / "prefill_attention.json").write_text(json.dumps({"points": [
         {"past": 0, "capacity": 4160, "new": 4096, "enginesmith": {"gpu_us": 300.0},
          "enginesmith_today": {"gpu_us": 9000.0}, "ort_gqa": {"gpu_us": 250.0}, "ours_over_ort_gpu": 1.2}]}))
@@ -170,6 +173,9 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     core = fig["serve over HTTP fp16 (engine core process) concurrency 64"]
     assert core["ours"] == pytest.approx(1.25 * http["ours"], abs=0.1) and core["peer"] == "offline fp16 at 64"
     assert fig["serve over HTTP w4a16 (engine core process) concurrency 64"]["ours"] is None  # not run: still a row
+    fe2 = fig["serve over HTTP fp16 (engine core process, 2 front ends) concurrency 64"]
+    assert fe2["ours"] == pytest.approx(1.1 * core["ours"], abs=0.1)
+    assert "serve over HTTP w4a16 (engine core process, 2 front ends) concurrency 64" not in fig  # not asked for
     assert fig["ORT GenAI fp16 batch 32 (prompt 512, 256 new; decode tok/s)"]["ours"] == pytest.approx(14602.5, 0.01)
     assert fig["offline fp16 at 64 vs HF generate batch 64 (static cache)"]["ratio"] == pytest.approx(21.5, abs=0.1)
     kv = fig["KV int8 decode step, paged, context 32768, batch 1"]

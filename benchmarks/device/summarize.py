@@ -137,6 +137,7 @@ def figures(state: Path, steps: dict) -> list[dict]:
         thread = _load(fig / f"http_{k}" / "bench_serve_thread.json") or _load(fig / f"http_{k}" / "bench_serve_ours.json")
         http = {r["concurrency"]: r for r in (thread or {}).get("runs", [])}
         core = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_core.json") or {}).get("runs", [])}
+        fe2 = {r["concurrency"]: r for r in (_load(fig / f"http_{k}" / "bench_serve_core_fe2.json") or {}).get("runs", [])}
         for c in (1, 16, 64):
             r = runs.get(c, {})
             frac = (r.get("bound") or {}).get("fraction_median")
@@ -144,8 +145,9 @@ def figures(state: Path, steps: dict) -> list[dict]:
             row(f"offline {k} concurrency {c} (bench --requests)", f"serving.{k}" + ("_c1" if c == 1 else ""),
                 r.get("tok_s"), runs.get(1, {}).get("tok_s") if c > 1 else None,
                 f"offline {k} at 1" if c > 1 else None, note=note)
-            for label, got in ((" (engine core thread)", http), (" (engine core process)", core)):
-                if not got and (http or core):
+            for label, got in ((" (engine core thread)", http), (" (engine core process)", core),
+                               (" (engine core process, 2 front ends)", fe2)):
+                if not got and (http or core or label.endswith("front ends)")):
                     continue
                 h = got.get(c, {})
                 row(f"serve over HTTP {k}{label} concurrency {c}", f"http.{k}", h.get("tok_s"), r.get("tok_s"),

@@ -463,9 +463,10 @@ fi
 if wants http; then      # enginesmith serve over HTTP (bench serve, one client process per 32 streams)
     for x in fp16 w4a16; do   # the engine core in a process of its own (serve's default on a GPU); fp16 also in a thread
         engine_or_missing http "$x" "paged_$x" || continue
-        servers=core; [ "$x" = fp16 ] && servers=core,thread
-        step http "$x" 420 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers "$servers" \
-            --requests 64 --concurrency 1,16,64 --out-dir "$F/http_$x"
+        # fp16: also the core in a thread, and two front-end processes over the core (serve --front-ends 2)
+        servers=core; fronts=1; [ "$x" = fp16 ] && servers=core,thread && fronts=1,2
+        step http "$x" 480 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_$x" --servers "$servers" \
+            --front-ends "$fronts" --requests 64 --concurrency 1,16,64 --out-dir "$F/http_$x"
     done
 fi
 

@@ -254,6 +254,19 @@ def test_engine_without_the_library_names_it(tiny_engines, monkeypatch, tmp_path
         open_gqa_engine(tiny_engines[None, True], device="cpu")
 
 
+OPS_OUTPUTS = ("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits")  # _ops_graph's outputs
+
+
+def _cuda_matches_cpu(ops_lib, model, feeds, names, stream):
+    """Every output of `model` on CUDA (`stream`: the user's or ORT's) within 4e-3 of its scale of the CPU kernels'."""
+    want = _session(model, ops_lib).run(None, feeds)
+    got = _session(model, ops_lib, cuda=stream).run(None, feeds)
+    for name, a, b in zip(names, got, want):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        scale = max(1.0, float(np.abs(b).max()))
+        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 20])
@@ -263,12 +276,7 @@ def test_cuda_kernels_match_cpu_kernels(ops_lib, m, n, k, bs, stream):
     rng = np.random.default_rng(m)
     model, _ = _ops_graph(rng, (1, m), n=n, k=k, bs=bs)
     x = rng.standard_normal((1, m, k)).astype(np.float16)
-    want = _session(model, ops_lib).run(None, {"x": x})
-    got = _session(model, ops_lib, cuda=stream).run(None, {"x": x})
-    for name, a, b in zip(("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits"), got, want):
-        a, b = a.astype(np.float32), b.astype(np.float32)
-        scale = max(1.0, float(np.abs(b).max()))
-        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+    _cuda_matches_cpu(ops_lib, model, {"x": x}, OPS_OUTPUTS, stream)
 
 
 @gpu
@@ -282,12 +290,7 @@ def test_cuda_norm_ops_match_cpu_kernels(ops_lib, m, n, k, bs, stream):
     model, _, _, names = _norm_graph(rng, (1, m), n=n, k=k, bs=bs)
     feeds = {"x": (rng.standard_normal((1, m, k)) * 3).astype(np.float16),
              "skip": rng.standard_normal((1, m, k)).astype(np.float16)}
-    want = _session(model, ops_lib).run(None, feeds)
-    got = _session(model, ops_lib, cuda=stream).run(None, feeds)
-    for name, a, b in zip(names, got, want):
-        a, b = a.astype(np.float32), b.astype(np.float32)
-        scale = max(1.0, float(np.abs(b).max()))
-        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+    _cuda_matches_cpu(ops_lib, model, feeds, names, stream)
 
 
 @gpu
@@ -302,12 +305,7 @@ def test_cuda_int4_tensor_core_path_matches_cpu_kernels(ops_lib, monkeypatch, m,
     rng = np.random.default_rng(m + 100)
     model, _ = _ops_graph(rng, (1, m), n=n, k=k, bs=bs)
     x = rng.standard_normal((1, m, k)).astype(np.float16)
-    want = _session(model, ops_lib).run(None, {"x": x})
-    got = _session(model, ops_lib, cuda=stream).run(None, {"x": x})
-    for name, a, b in zip(("gemv", "swiglu", "gemv_q4", "swiglu_q4", "nbits"), got, want):
-        a, b = a.astype(np.float32), b.astype(np.float32)
-        scale = max(1.0, float(np.abs(b).max()))
-        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+    _cuda_matches_cpu(ops_lib, model, {"x": x}, OPS_OUTPUTS, stream)
 
 
 @gpu
@@ -321,12 +319,7 @@ def test_cuda_int4_tensor_core_path_with_folded_norms(ops_lib, monkeypatch, m, n
     model, _, _, names = _norm_graph(rng, (1, m), n=n, k=k, bs=bs)
     feeds = {"x": (rng.standard_normal((1, m, k)) * 3).astype(np.float16),
              "skip": rng.standard_normal((1, m, k)).astype(np.float16)}
-    want = _session(model, ops_lib).run(None, feeds)
-    got = _session(model, ops_lib, cuda="ort").run(None, feeds)
-    for name, a, b in zip(names, got, want):
-        a, b = a.astype(np.float32), b.astype(np.float32)
-        scale = max(1.0, float(np.abs(b).max()))
-        assert np.abs(a - b).max() <= 4e-3 * scale, (name, float(np.abs(a - b).max()), scale)
+    _cuda_matches_cpu(ops_lib, model, feeds, names, "ort")
 
 
 def _teacher_forced_logits(engine_dir, device, prompt, follow):

@@ -136,6 +136,9 @@ def _state(tmp_path: Path) -> tuple[Path, Path]:
         {"batch": 64, "step_ms": 3.3, "gpu_ms": 2.4, "async": {"step_ms": 2.5}, "async_speedup": 1.32}]}))
     (fig / "profile_step_waves4.json").write_text(json.dumps({"timed": [
         {"batch": 64, "step_ms": 3.0, "gpu_ms": 2.0, "async": {"step_ms": 2.25}, "async_speedup": 1.33}]}))
+    (fig / "twogpu").mkdir()
+    for name, tok_s in (("core", 15000.0), ("replicas", 27000.0)):
+        (fig / "twogpu" / f"bench_serve_{name}.json").write_text(json.dumps({"runs": [{"concurrency": 128, "tok_s": tok_s}]}))
     (fig / "profile_decode.json").write_text(json.dumps({"modes": [
         {"cuda_graph": True, "ms_per_step": 0.9, "gpu_us_per_step": 700.0, "gaps_us_per_step": 200.0,
          "kernels_per_step": 130.0, "top_kernels": [{"kernel": "gemv_kernel", "us_per_step": 400.0, "per_step": 64}]},
@@ -190,6 +193,7 @@ def test_summary_names_the_card_and_keeps_every_figure(tmp_path):
     assert step64["ours"] == 2.5 and step64["ratio"] == 1.32 and step64["status"] == "ok"
     w64 = fig["paged decode step at batch 64, async, key splits for 4 waves (ES_PAGED_SPLIT_WAVES=4)"]
     assert w64["ours"] == 2.25 and w64["peer_value"] == 2.5 and w64["ratio"] == 0.9
+    assert fig["serve --devices 0,1 (two GPUs) concurrency 128"]["ratio"] == 1.8
     b32 = fig["paged decode step at batch 32 (async) vs ORT GenAI's at batch 32"]
     assert b32["ours"] == 2.0 and b32["peer_value"] == pytest.approx(2.19, abs=0.01)
     b1 = fig["batch-1 decode step fp16, graphs on: kernel us (PDL on, overlapping) vs wall us"]

@@ -195,6 +195,11 @@ def figures(state: Path, steps: dict) -> list[dict]:
                     r[fmt]["step_ms"], r["fp16"]["step_ms"], "fp16 KV", unit="ms/step",
                     ratio=r["fp16"]["step_ms"] / r[fmt]["step_ms"], note="ratio = speedup over fp16 KV")
     profile_rows(fig, row)
+    one, two = ({r["concurrency"]: r.get("tok_s") for r in (_load(fig / "twogpu" / f"bench_serve_{n}.json") or {}).get("runs", [])}
+                for n in ("core", "replicas"))
+    for c in sorted(two) or (64, 128):
+        row(f"serve --devices 0,1 (two GPUs) concurrency {c}", "twogpu.http", two.get(c), one.get(c),
+            "one GPU's serve", note="issue 29's target: ratio >= 1.8")
     wheel = _load(fig / "wheel" / "bench.json") or {}
     row("binary wheel in a fresh venv, no nvcc: bench --device cuda decode", "wheel.check",
         (wheel.get("enginesmith") or {}).get("decode_tok_s"), note=wheel.get("model"))

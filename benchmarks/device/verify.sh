@@ -7,8 +7,8 @@
 #
 # Options:
 #   --phases LIST   comma list of: setup build tests wheel engines decode serving prefill kvquant http profile
-#                   accuracy (aliases: figures = engines,decode,serving,prefill,kvquant,http,profile,accuracy;
-#                   all = setup,build,tests,wheel,figures;
+#                   accuracy twogpu (aliases: figures = engines,decode,serving,prefill,kvquant,http,profile,accuracy;
+#                   all = setup,build,tests,wheel,figures; twogpu only when named: it needs two GPUs;
 #                   default all). setup and build are added when this machine has not run them yet.
 #   --resume        skip the steps already finished on this machine (ok or failed; VERIFY_RETRY=1 reruns the
 #                   failed ones too); steps cut by the call's deadline always run again
@@ -77,7 +77,7 @@ expand() {  # the phase list, aliases expanded, in run order
     local want=",${1//figures/engines,decode,serving,prefill,kvquant,http,profile,accuracy},"
     want="${want//,all,/,setup,build,tests,wheel,engines,decode,serving,prefill,kvquant,http,profile,accuracy,}"
     local p out=""
-    for p in setup build tests wheel engines decode serving prefill kvquant http profile accuracy; do
+    for p in setup build tests wheel engines decode serving prefill kvquant http profile accuracy twogpu; do
         [[ "$want" == *",$p,"* ]] && out="$out $p"
     done
     echo "$out"
@@ -487,6 +487,14 @@ if wants accuracy; then  # GPU perplexity = the CPU engine's (0.5 %); 24 prompts
     if engine_or_missing accuracy smollm2 smollm2_fp16; then
         step accuracy smollm2 540 python3 "$REPO/benchmarks/gpu/accuracy.py" --engine "$E/smollm2_fp16" \
             --out "$F/accuracy_smollm2.json"
+    fi
+fi
+if wants twogpu; then    # issue 29, goal 5: serve --devices 0,1 against one GPU's server (a two-GPU machine)
+    if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
+        missing twogpu http "this machine has fewer than two GPUs (run on nvidia-h100-x2 or nvidia-h200-x2)"
+    elif engine_or_missing twogpu http paged_fp16; then
+        step twogpu http 560 python3 "$REPO/benchmarks/serving/gpu_http.py" --engine "$E/paged_fp16" \
+            --servers core,replicas --devices 0,1 --requests 256 --concurrency 64,128 --out-dir "$F/twogpu"
     fi
 fi
 

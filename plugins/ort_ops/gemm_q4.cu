@@ -52,11 +52,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_q4_kernel(GemvProblem p, con
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[w][mt][j][i] = 0.f;
 
-  for (int c = c_begin; c < c_end; ++c) {
-    const int kc = c * kChunkK;
-    // this lane's weights: 16 int4 values (8 bytes) of column n, K values kc + 16t .. + 15, one scale
-    uint2 wbits[NW][2];
-    __half2 scale[NW][2];
+  // this lane's weights of chunk c: 16 int4 values (8 bytes) of column n, K values 64c + 16t .. + 15, one scale;
+  // the next chunk's are loaded before this chunk's products (their latency behind the MMAs)
+  uint2 wbits[NW][2], wnext[NW][2];
+  __half2 scale[NW][2], snext[NW][2];
+  auto load_weights = [&](int c, uint2 (&bits)[NW][2], __half2 (&sc)[NW][2]) {
 #pragma unroll
     for (int w = 0; w < NW; ++w)
 #pragma unroll
@@ -64,13 +64,18 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_q4_kernel(GemvProblem p, con
         const int n = n0 + 8 * j + g;
         if (n < p.N) {
           const uint8_t* row = static_cast<const uint8_t*>(p.w[w]) + size_t(n) * (p.K / 2);
-          wbits[w][j] = *reinterpret_cast<const uint2*>(row + kc / 2 + 8 * t);
-          scale[w][j] = __half2half2(p.scales[w][size_t(n) * blocks_per_row + (kc + 16 * t) / p.block_size]);
+          bits[w][j] = *reinterpret_cast<const uint2*>(row + c * (kChunkK / 2) + 8 * t);
+          sc[w][j] = __half2half2(p.scales[w][size_t(n) * blocks_per_row + (c * kChunkK + 16 * t) / p.block_size]);
         } else {  // a column past N: zero weights (code 8, scale 0), never written
-          wbits[w][j] = make_uint2(0x88888888u, 0x88888888u);
-          scale[w][j] = __float2half2_rn(0.f);
+          bits[w][j] = make_uint2(0x88888888u, 0x88888888u);
+          sc[w][j] = __float2half2_rn(0.f);
         }
       }
+  };
+  if (c_begin < c_end) load_weights(c_begin, wbits, scale);
+  for (int c = c_begin; c < c_end; ++c) {
+    const int kc = c * kChunkK;
+    if (c + 1 < c_end) load_weights(c + 1, wnext, snext);
     // x's rows for this chunk into shared memory (rows past M as zeros), 8 halves a copy
     for (int v = threadIdx.x; v < MT * 16 * 8; v += kWarps * 32) {
       const int r = v >> 3, col = (v & 7) * 8;
@@ -107,6 +112,13 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_q4_kernel(GemvProblem p, con
         }
     }
     __syncthreads();
+#pragma unroll
+    for (int w = 0; w < NW; ++w)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        wbits[w][j] = wnext[w][j];
+        scale[w][j] = snext[w][j];
+      }
   }
   // C fragment: rows g and g + 8 of each m tile, columns 2t and 2t + 1 of each n8 tile
 #pragma unroll

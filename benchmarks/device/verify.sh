@@ -341,14 +341,14 @@ engines_phase() {
         return 0
     fi
     [ "${1:-}" = beside ] && renice -n 10 -p "$BASHPID" > /dev/null   # the tests first
-    engines_lane_decode > "$V/logs/lane_decode.txt" 2>&1 &
-    local a=$!
-    engines_lane_serving > "$V/logs/lane_serving.txt" 2>&1 &
-    local b=$!
-    engines_lane_kvquant > "$V/logs/lane_kvquant.txt" 2>&1 &
-    local c=$!
-    wait "$a" "$b" "$c"
-    cat "$V/logs/lane_decode.txt" "$V/logs/lane_serving.txt" "$V/logs/lane_kvquant.txt"
+    # VERIFY_LANES: which lanes to build (default all three; e.g. "serving" for the twogpu phase alone)
+    local lane pids=()
+    for lane in ${VERIFY_LANES:-decode serving kvquant}; do
+        "engines_lane_$lane" > "$V/logs/lane_$lane.txt" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    for lane in ${VERIFY_LANES:-decode serving kvquant}; do cat "$V/logs/lane_$lane.txt"; done
 }
 
 # ------------------------------------------------------------------------------------------ tests

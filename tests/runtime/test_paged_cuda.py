@@ -208,3 +208,28 @@ def test_gpu_pool_is_sized_from_free_memory(paged_dir):
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@gpu
+@needs_cuda
+def test_gpu_plain_steps_called_from_another_stream_wait_for_the_engine(paged_dir):
+    """`_plain` from torch's default stream while the engine's stream is busy (a 50 ms sleep queued on it):
+    the logits the caller reads are the step's. Before the fix the copies went to the caller's stream and
+    the caller read the logits before ONNX Runtime had run (gemma3-fp16's paged test, H200, session 18)."""
+    import torch
+
+    engine = _engine(paged_dir, device="cuda", num_pages=16, max_batch=2)
+    ids = np.array([[5, 6, 7, 8]])
+    tables = np.zeros((1, engine.max_blocks), np.int32)
+    tables[0, :2] = [1, 2]
+    context = np.array([4], np.int32)
+    slots = (tables[0, np.arange(4) // engine.page_size] * engine.page_size + np.arange(4) % engine.page_size)
+    slots = slots[None].astype(np.int32)
+    with engine._on_stream():
+        want = engine._plain(engine.kv, ids, tables, context, slots).float().cpu().numpy()
+    engine.stream.synchronize()
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(50_000_000)  # ~50 ms of GPU cycles ahead of the step on the engine's stream
+    got = engine._plain(engine.kv, ids, tables, context, slots).float().cpu().numpy()  # the default stream
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)

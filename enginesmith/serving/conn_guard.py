@@ -13,6 +13,10 @@ phase, with a deadline:
                                                                                and streams take their time)
 
 A connection past its deadline is closed (the app sees a disconnect: its request ends with 499).
+When the server drains, idle connections and those sending a body are closed; one still sending its head
+gets at most DRAIN_HEAD_GRACE_S to finish it and is answered (503), and the server exits only once no
+head is pending (or the grace has passed): a client that connected just before the drain gets an answer,
+not a reset.
 At most `max_connections` are open in one server process: a connection beyond that makes room by closing
 the oldest one with no request in progress (idle or still sending its head); when every one has a
 request in progress, the newcomer gets a 503 with Retry-After and is closed after a short linger.
@@ -32,6 +36,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 log = logging.getLogger("enginesmith.serve")
 
+DRAIN_HEAD_GRACE_S = 1.0  # on a drain, what a connection still sending its request head has left to finish it
 LINGER_S = 1.0          # a refused connection is read (and dropped) this long before it is closed
 LOG_EVERY_S = 10.0      # at most one line per this many seconds about failed accepts
 REFUSAL = json.dumps({"error": {"message": "too many open connections; retry shortly",
@@ -58,6 +63,7 @@ class _Guard:
     limits: ConnectionLimits
     phase = "new"
     since = 0.0
+    _deadline = float("inf")
     _timer: asyncio.TimerHandle | None = None
     _refused = False
 
@@ -105,16 +111,28 @@ class _Guard:
         """A request of this connection is being read or answered."""
         return self.phase in ("body", "respond")
 
-    def close_unfinished(self) -> None:
-        """Close the connection unless a request of it is being answered (a server that drains)."""
-        if self.phase in ("new", "head", "idle", "body") and not self.transport.is_closing():
+    def drain(self) -> None:
+        """A server that drains: close the connection if it is idle or sending a body (that request would
+        be refused anyway); one still sending its head (a probe that connected just now) has at most
+        DRAIN_HEAD_GRACE_S left to finish it, and is then answered (503: draining)."""
+        if self.transport.is_closing() or self._refused:
+            return
+        if self.phase in ("idle", "body"):
             self.transport.close()
+        elif self.phase == "head" and self._deadline - time.monotonic() > DRAIN_HEAD_GRACE_S:
+            self._arm(time.monotonic() + DRAIN_HEAD_GRACE_S)
 
     def _enter(self, phase: str, timeout: float | None) -> None:
         self._cancel_timer()
         self.phase, self.since = phase, time.monotonic()
         if timeout is not None:
-            self._timer = self.loop.call_later(timeout, self._expire, phase)
+            self._arm(self.since + timeout)
+
+    def _arm(self, deadline: float) -> None:
+        """Close the connection at `deadline` unless it leaves its phase first."""
+        self._cancel_timer()
+        self._deadline = deadline
+        self._timer = self.loop.call_at(self.loop.time() + deadline - time.monotonic(), self._expire, self.phase)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -151,12 +169,28 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
     return type("GuardedHTTPProtocol", (_Guard, AutoHTTPProtocol), {"limits": limits})
 
 
-def close_unfinished(server_state) -> None:
-    """Close every connection of a uvicorn server whose request has not been read yet (on a drain: a
-    half-sent body would otherwise hold its task until shutdown cancels it)."""
+def drain_connections(server_state) -> None:
+    """A uvicorn server that begins to drain: close its idle connections and those sending a body (a
+    half-sent body would otherwise hold its task until shutdown cancels it); give those still sending
+    their head DRAIN_HEAD_GRACE_S at most (see _Guard.drain)."""
     for conn in list(server_state.connections):
         if isinstance(conn, _Guard):
-            conn.close_unfinished()
+            conn.drain()
+
+
+def heads_pending(server_state) -> bool:
+    """A connection of this server is still sending its request head (its request is not answered yet:
+    a server that exits now would reset it)."""
+    return any(isinstance(c, _Guard) and c.phase == "head" and not c.transport.is_closing() and not c._refused
+               for c in list(server_state.connections))
+
+
+async def settle_heads(server_state, grace: float = DRAIN_HEAD_GRACE_S) -> None:
+    """Before a drained server exits: wait (at most `grace` seconds) until no connection is still sending
+    its request head, so that a client that connected during the drain gets its answer (503), not a reset."""
+    deadline = time.monotonic() + grace
+    while heads_pending(server_state) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 class AcceptErrorLog:

@@ -47,7 +47,8 @@ from starlette.routing import Route
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
 from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body, send_until_disconnect
-from enginesmith.serving.conn_guard import ConnectionLimits, close_unfinished, install_accept_error_log
+from enginesmith.serving.conn_guard import (DRAIN_HEAD_GRACE_S, ConnectionLimits, drain_connections, heads_pending,
+                                            install_accept_error_log, settle_heads)
 from enginesmith.serving.http_server import AnnouncingServer
 from enginesmith.serving.openai_protocol import ApiError, error_body
 from enginesmith.serving.door_board import REASONS, DoorBoard
@@ -350,7 +351,7 @@ class FrontDoorServer(AnnouncingServer):
     async def _stop(self) -> None:
         door, replicas = self.door, self.replicas
         door.begin_drain()
-        close_unfinished(self.server_state)  # requests still sending their head or body: nothing to wait for
+        drain_connections(self.server_state)  # idle ones and half-sent bodies: nothing to wait for
         self.workers.drain()  # they answer 503 to new requests and exit once their relays are done
         replicas.terminate()
         passed_on = self.signals
@@ -372,17 +373,19 @@ class FrontDoorServer(AnnouncingServer):
         while any(door.board.in_flight(i) for i in range(len(replicas))) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.to_thread(self.workers.stop, 5.0)
+        await settle_heads(self.server_state)
         self.should_exit = True
 
 
 class WorkerServer(uvicorn.Server):
-    """Worker 1, 2, ...: uvicorn on the shared socket; a signal (or its supervisor's end) drains it: 503 for
-    new requests, and it exits once its own relays are done."""
+    """Worker 1, 2, ...: uvicorn on the shared socket; a signal (or its supervisor's end) drains it: it stops
+    accepting (worker 0 takes the new connections), answers 503 to requests whose head was on its way, and
+    exits once its own relays are done."""
 
     def __init__(self, config: uvicorn.Config, door: FrontDoor, supervisor: int):
         super().__init__(config)
         self.door, self.supervisor = door, supervisor
-        self._closed_unfinished = False
+        self._drain_started: float | None = None
 
     async def startup(self, sockets=None) -> None:
         install_accept_error_log()
@@ -394,10 +397,13 @@ class WorkerServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if os.getppid() != self.supervisor:
             self.door.begin_drain()
-        if self.door.draining and not self._closed_unfinished:
-            self._closed_unfinished = True
-            close_unfinished(self.server_state)
-        if self.door.draining and not self.door.board.in_flight_of(self.door.worker):
+        if self.door.draining and self._drain_started is None:
+            self._drain_started = time.monotonic()
+            for listener in self.servers:
+                listener.close()  # this process's copy of the shared socket
+            drain_connections(self.server_state)
+        if self.door.draining and not self.door.board.in_flight_of(self.door.worker) and (
+                not heads_pending(self.server_state) or time.monotonic() > self._drain_started + DRAIN_HEAD_GRACE_S):
             self.should_exit = True
         return await super().on_tick(counter)
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import uvicorn
 
-from enginesmith.serving.conn_guard import ConnectionLimits, close_unfinished
+from enginesmith.serving.conn_guard import ConnectionLimits, settle_heads
 from enginesmith.serving.core_client import CoreClient
 from enginesmith.serving.door_workers import DoorWorkers
 from enginesmith.serving.http_server import DrainingServer
@@ -102,6 +102,8 @@ class TagAnswers:
 class FrontEndServer(DrainingServer):
     """Front end 1, 2, ...: serve's drain on a signal or when its supervisor is gone; no ready line (the
     supervisor prints the server's); a core that dies stops it (DrainingServer)."""
+
+    stops_listening = True
 
     def __init__(self, config: uvicorn.Config, api, loop: CoreClient, drain_timeout: float, supervisor: int,
                  started, early_signal: list):
@@ -168,7 +170,7 @@ class SupervisorServer(DrainingServer):
         loop, workers = self.batcher_loop, self.workers
         loop.drain(timeout=0)
         workers.drain()  # SIGTERM: each drains its own streams, for at most the same drain timeout
-        close_unfinished(self.server_state)
+        self.begin_drain_connections()
         deadline = time.monotonic() + self.drain_timeout
         passed_on = self.signals
         while time.monotonic() < deadline + WORKER_GRACE_S:
@@ -187,6 +189,7 @@ class SupervisorServer(DrainingServer):
                         + (" (it cut requests off)" if w.exitcode == 1 else "")
                         for w in workers.workers if w.exitcode != 0 and f"{LABEL} {w.index}" not in told]
         await asyncio.to_thread(loop.close)  # the core: closed once no front end uses it
+        await settle_heads(self.server_state)
         self.should_exit = True
 
 

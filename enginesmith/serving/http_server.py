@@ -22,7 +22,8 @@ import time
 
 import uvicorn
 
-from enginesmith.serving.conn_guard import ConnectionLimits, close_unfinished, install_accept_error_log
+from enginesmith.serving.conn_guard import (ConnectionLimits, drain_connections, install_accept_error_log,
+                                            settle_heads)
 
 
 class AnnouncingServer(uvicorn.Server):
@@ -47,6 +48,12 @@ class AnnouncingServer(uvicorn.Server):
 
 
 class DrainingServer(AnnouncingServer):
+    """serve's uvicorn server: a signal drains it (503 for new requests; those in flight finish, for at most
+    the drain timeout), then it exits. One of several processes on a shared socket (stops_listening) stops
+    accepting at once, so that the others take the new connections."""
+
+    stops_listening = False
+
     def __init__(self, config: uvicorn.Config, api, loop, drain_timeout: float, summary: str):
         super().__init__(config, summary)
         self.api, self.batcher_loop, self.drain_timeout = api, loop, drain_timeout
@@ -70,14 +77,21 @@ class DrainingServer(AnnouncingServer):
     async def _drain(self) -> None:
         loop = self.batcher_loop
         loop.drain(timeout=0)  # takes no more requests; returns at once
-        close_unfinished(self.server_state)  # requests still sending their head or body: nothing to wait for
+        self.begin_drain_connections()
         deadline = time.monotonic() + self.drain_timeout
         while loop.in_flight and time.monotonic() < deadline and self.signals < 2:
             await asyncio.sleep(0.05)
         if loop.in_flight:
             self.cut_off = "a second signal" if self.signals > 1 else f"the drain timeout ({self.drain_timeout:g} s)"
             await asyncio.to_thread(loop.close)
+        await settle_heads(self.server_state)
         self.should_exit = True
+
+    def begin_drain_connections(self) -> None:
+        if self.stops_listening:
+            for listener in self.servers:
+                listener.close()  # this process's copy of the shared socket: the others accept
+        drain_connections(self.server_state)
 
 
 def serve(app, api, loop, host: str, port: int, drain_timeout: float, summary: str, log_level: str = "warning",

@@ -11,6 +11,8 @@ hostile connection within its timeouts (plus slack). Also:
   - ten concurrent 3.9 MB prompts are refused (400) without tokenizing them, and a normal request
     meanwhile is answered within 2 s;
   - SIGTERM with half-sent bodies: exit 0 at once, no traceback (no CancelledError);
+  - SIGTERM while request heads are on their way (serve, the front door with two workers, two front ends):
+    every one is answered, none reset, and the server exits 0;
   - failed accepts (out of file descriptors) are one log line, not a traceback each;
   - the limit flags are checked before any model is loaded.
 stderr of every server must hold no traceback. Servers are stopped by PID; every wait is bounded;
@@ -20,6 +22,7 @@ N is 120 per attack (CI has 2 cores and the default open-files limit).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -169,6 +172,45 @@ def test_sigterm_with_half_sent_bodies_exits_0_without_tracebacks(paged_engine, 
         s.stop()
     err = s.err.read_text()
     assert "Traceback" not in err and "CancelledError" not in err, err[-2000:]
+
+
+def _head_answer(sock: socket.socket) -> bytes:
+    """The status line and headers the server sends back (b"" if it closed the connection first)."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:  # reset
+        pass
+    return data
+
+
+@pytest.mark.parametrize("flags", [(), ("--replicas", "2", "--door-workers", "2"), ("--front-ends", "2")],
+                         ids=["serve", "front-door-2-workers", "front-ends-2"])
+def test_sigterm_answers_the_requests_whose_head_was_on_its_way(paged_engine, tmp_path, flags):
+    """A probe that connected just before SIGTERM gets an answer, not a reset (CI once saw a reset /health)."""
+    s = Server(tmp_path, paged_engine, *flags).wait_ready(timeout=120)
+    socks = []
+    try:
+        for _ in range(8):  # accepted by whichever process of the server
+            socks.append(socket.create_connection(("127.0.0.1", _port(s)), timeout=10))
+            socks[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the drain has begun: each process looks every 0.1 s
+        for sock in socks:
+            sock.sendall(b"\r\n")
+        answers = [_head_answer(sock) for sock in socks]
+        assert all(re.match(rb"HTTP/1.1 (200|503) ", a) for a in answers), answers
+        assert s.proc.wait(timeout=30) == 0
+    finally:
+        hostile.close_all(socks)
+        stop_all(s)
+    err = s.err.read_text()
+    assert "Traceback" not in err, err[-2000:]
 
 
 ACCEPT_FLOOD = textwrap.dedent("""

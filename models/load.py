@@ -213,16 +213,25 @@ def _check_written(tmp: Path, what: str, gb: float) -> None:
                             cache_fix(gb)) from None
 
 
+# What a converted GGUF's manifest records: a copy made by another converter is rebuilt.
+# 2: the tokenizer carries the GGUF's own bos/eos/pad/unk ids (models/gguf_special_tokens.py).
+GGUF_CONVERSION = "2"
+
+
 def _converted_gguf_dir(source: Source) -> Path:
     """A plain HF checkpoint made from the GGUF once, cached by its hash, and checked at each use
-    against the manifest written with it (models.dir_manifest); an altered copy is rebuilt."""
+    against the manifest written with it (models.dir_manifest); an altered copy, or one made by an
+    older converter (GGUF_CONVERSION), is rebuilt."""
     root = cache_dir() / "models"
     target = root / source.sha256[:16]
-    reason = dir_manifest.problem(target, source_sha256=source.sha256)
+    reason = dir_manifest.problem(target, source_sha256=source.sha256, conversion=GGUF_CONVERSION)
     if reason is None:
         return target
     gguf = Path(source.path)
-    if os.path.lexists(target):
+    if reason == "its manifest records another conversion":
+        print(f"notice: the converted model cache {target} was made by an older converter; rebuilding it",
+              file=sys.stderr)
+    elif os.path.lexists(target):
         print(f"notice: the converted model cache {target} was altered or is incomplete ({reason}); rebuilding it",
               file=sys.stderr)
     else:
@@ -255,7 +264,7 @@ def _converted_gguf_dir(source: Source) -> Path:
             tokenizer.save_pretrained(tmp)
             (tmp / "enginesmith-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": source.sha256}))
             _check_written(tmp, what, gb)
-            dir_manifest.write(tmp, source_sha256=source.sha256)  # last: a complete copy only
+            dir_manifest.write(tmp, source_sha256=source.sha256, conversion=GGUF_CONVERSION)  # last: whole copies only
             _swap_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -125,6 +125,31 @@ def test_altered_converted_cache_is_rebuilt(tmp_path, monkeypatch, capsys):
     assert not [p for p in (tmp_path / "models").iterdir() if p.name != good.name]  # no temp or old dirs left
 
 
+@pytest.mark.slow
+def test_a_cache_from_an_older_converter_is_rebuilt_with_the_ggufs_eos(tmp_path, monkeypatch, capsys):
+    """A converted copy whose manifest does not record today's conversion (one made before the GGUF's own
+    special ids were applied: session 18's H200 machine gave SmolLM2 an EOS of <|im_start|>) is rebuilt."""
+    from transformers import AutoTokenizer
+
+    from enginesmith.models.load import GGUF_CONVERSION, _converted_gguf_dir, load_tokenizer
+
+    require_default_model()
+    source = resolve(None)
+    good = _converted_gguf_dir(source)
+    capsys.readouterr()
+    monkeypatch.setenv("ENGINESMITH_CACHE", str(tmp_path))
+    old = tmp_path / "models" / good.name
+    shutil.copytree(good, old)
+    tok = AutoTokenizer.from_pretrained(old)
+    tok.eos_token = "<|im_start|>"  # what that converter wrote
+    tok.save_pretrained(old)
+    dir_manifest.write(old, source_sha256=source.sha256)  # its manifest: no conversion recorded
+    assert load_tokenizer(source).eos_token_id == 2
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert notices == [f"notice: the converted model cache {old} was made by an older converter; rebuilding it"]
+    assert dir_manifest.problem(old, source_sha256=source.sha256, conversion=GGUF_CONVERSION) is None
+
+
 # ----------------------------------------------------------------------------- an unwritable cache
 
 def _full_device(tmp_path) -> Path:

@@ -22,6 +22,12 @@ is ours and nothing untrusted is unpickled. Stop strings stay in the front ends 
 anyway): the core gets stop token ids only, and never decodes; a request a front end ends at a stop
 string ("cancel" with stopped) counts as finished here, so every front end reports the same counts.
 
+The loop thread never writes to a socket: it posts each front end's frame to that front end's sender
+thread, and frames a slow front end has not taken yet merge into one. A send that has waited
+CoreSpec.stall_timeout (30 s) means a front end that stopped reading (a wedged process): the core says so
+in one line and shuts that socket down, which is then handled as that front end going away (below);
+before this, one such front end filled its socket's buffer and stalled every other front end's streams.
+
 Front end 0 going away (its socket at EOF, or its PID no longer our parent) makes the core cancel every
 request, wait (bounded) until their pages are back, say so in one line on stderr, and exit: no orphan
 holds the GPU. Front end k > 0 going away (EOF without "close") cancels its requests only, waits for
@@ -35,6 +41,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,6 +51,7 @@ from multiprocessing.connection import Connection
 from enginesmith.core.errors import EngineError, UserError
 
 FRONT_END_GONE_WAIT_S = 10.0   # the most the core waits for cancelled requests to give their pages back
+STALL_TIMEOUT_S = 30.0         # a front end that has not taken a frame for this long is treated as gone
 PARENT_POLL_S = 0.5
 CORE_MAX_WAITING = 1 << 30     # the front end bounds the queue (it answers 429); the core takes what it is sent
 PLACEMENTS = ("auto", "thread", "process")  # serve --engine-core, Triton's ENGINE_CORE
@@ -75,6 +83,7 @@ class CoreSpec:
     gpu_memory_utilization: float = 0.9
     cpu_max_batch: int = 16
     verify_hashes: bool = True       # sha256 every engine file before opening it
+    stall_timeout: float = STALL_TIMEOUT_S  # seconds a send to a front end may wait before it is cut off
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,10 @@ def _request_pages(batcher) -> int | None:
 
 
 class Peer:
-    """One front end's connection: its requests (loop ids "index:id"), the adds taken from it."""
+    """One front end's connection: its requests (loop ids "index:id"), the adds taken from it, and a sender
+    thread. The loop thread only posts step frames (post: never blocks on the socket); what a slow front end
+    has not taken yet merges into one frame. A send that has waited `stall_timeout` seconds (a front end
+    that stopped reading) gets the connection shut down: its receiver sees EOF, as for a front end that died."""
 
     def __init__(self, index: int, conn: Connection):
         self.index, self.conn = index, conn
@@ -126,30 +138,96 @@ class Peer:
         self.stopped: set[str] = set()     # its ids it ended at a stop string (they count as finished)
         self.taken = 0                     # adds given to the loop (the front end counts what it sent)
         self.last_stats: tuple | None = None
-        self.gone = False                  # EOF, a failed send, or "close"
+        self.gone = False                  # EOF, a failed send, a stall, or "close"
+        self.sending_since: float | None = None  # monotonic start of the send in progress
         self._closed = False
+        self._pending: tuple | None = None  # (events, stats, ttft, itl) posted, not sent yet
+        self._wake = threading.Condition()
+        self._sender: threading.Thread | None = None
 
     def send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self.send_lock:
             if self._closed:
                 raise OSError("the connection is closed")
-            self.conn.send_bytes(data)
+            self.sending_since = time.monotonic()
+            try:
+                self.conn.send_bytes(data)
+            finally:
+                self.sending_since = None
+
+    def start_sender(self) -> None:
+        self._sender = threading.Thread(target=self._send_posted, daemon=True,
+                                        name=f"enginesmith-core-sender-{self.index}")
+        self._sender.start()
+
+    def post(self, events: list, stats: tuple, ttft: list, itl: list) -> None:
+        """Queue a step frame for the sender thread, merged with any it has not sent yet (the loop thread)."""
+        with self._wake:
+            if self._pending is None:
+                self._pending = (list(events), stats, list(ttft), list(itl))
+            else:
+                queued_events, _, queued_ttft, queued_itl = self._pending
+                self._pending = (queued_events + events, stats, queued_ttft + ttft, queued_itl + itl)
+            self._wake.notify()
+
+    def _send_posted(self) -> None:
+        while True:
+            with self._wake:
+                while self._pending is None and not self._closed and not self.gone:
+                    self._wake.wait()
+                if self._pending is None:
+                    return
+                frame, self._pending = self._pending, None
+            try:
+                self.send(("step", *frame))
+            except OSError:  # that front end is gone: its receiver sees the EOF and cancels its requests
+                self.gone = True
+                return
+
+    def stalled(self, timeout: float) -> bool:
+        since = self.sending_since
+        return since is not None and time.monotonic() - since > timeout
+
+    def cut_off(self) -> None:
+        """Shut the socket down under a send that cannot finish: the send fails, the receiver sees EOF."""
+        self.gone = True
+        try:
+            sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        except OSError:
+            return  # closed already
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def flush_posted(self, deadline: float) -> None:
+        """Wait (until `deadline`) for the sender to send what was posted: the core is about to exit."""
+        while self._sender is not None and self._sender.is_alive() and time.monotonic() < deadline:
+            with self._wake:
+                if self._pending is None and self.sending_since is None:
+                    return
+            time.sleep(0.005)
 
     def close(self) -> None:
-        """Close our end (its reader sees EOF); under the send lock, so the loop thread never writes to a
-        closed, maybe reused, descriptor."""
-        with self.send_lock:
+        """Close our end (its reader sees EOF); under the send lock, so no thread writes to a closed, maybe
+        reused, descriptor."""
+        with self._wake:
             self._closed = True
+            self._wake.notify()
+        with self.send_lock:
             self.conn.close()
 
 
 class EngineCore:
     """The core's side of the sockets: requests in (a receiver thread per front end), events out (the loop
-    thread)."""
+    thread posts them; a sender thread per front end sends them)."""
 
     def __init__(self, conns: list[Connection], parent_pid: int):
         self.peers = [Peer(k, conn) for k, conn in enumerate(conns)]
+        self.stall_timeout = STALL_TIMEOUT_S   # CoreSpec's, once it arrived
         self.parent_pid = parent_pid
         self.loop = None
         self._outbox: list[tuple] = []         # (peer, id, event) of this turn; appended on the loop thread
@@ -185,12 +263,7 @@ class EngineCore:
             if peer.gone or (peer.index not in mine and not ttft and not itl and stats == peer.last_stats):
                 continue
             peer.last_stats = stats
-            try:
-                peer.send(("step", mine.get(peer.index, []), stats, ttft, itl))
-            except OSError:  # that front end is gone: its receiver sees the EOF and cancels its requests
-                peer.gone = True
-                if peer.index == 0:
-                    self.gone.set()
+            peer.post(mine.get(peer.index, []), stats, ttft, itl)
 
     def receive(self, peer: Peer) -> None:
         """Apply one front end's messages until it closes or goes away (its receiver thread)."""
@@ -246,10 +319,16 @@ class EngineCore:
         return live
 
     def watch_parent(self) -> None:
-        """Block until front end 0 is gone (or closed us): its socket's EOF, or a new parent PID."""
+        """Block until front end 0 is gone (or closed us): its socket's EOF, or a new parent PID. Meanwhile,
+        cut off every front end that stopped reading (Peer.stalled)."""
         while not self.gone.wait(PARENT_POLL_S):
             if os.getppid() != self.parent_pid:
                 self.gone.set()
+            for peer in self.peers:
+                if not peer.gone and peer.stalled(self.stall_timeout):
+                    print(f"enginesmith engine core (pid {os.getpid()}): front end {peer.index} has not read its "
+                          f"connection for {self.stall_timeout:g} s; closing it", file=sys.stderr, flush=True)
+                    peer.cut_off()  # its receiver sees EOF: its requests are cancelled (front end 0: all)
 
     def free_and_exit(self) -> int:
         """Front end 0 is gone: cancel every request, wait for the pages, one line on stderr."""
@@ -271,6 +350,7 @@ def main(argv: list[str]) -> int:
     core = EngineCore([Connection(int(fd)) for fd in argv], os.getppid())
     first = core.peers[0]
     spec: CoreSpec = pickle.loads(first.conn.recv_bytes())
+    core.stall_timeout = spec.stall_timeout
     try:
         core.loop, info = open_loop(spec, core.flush)
     except UserError as exc:
@@ -286,6 +366,7 @@ def main(argv: list[str]) -> int:
             peer.send(("ready", info))
         except OSError:  # that front end is gone already; its receiver sees it
             pass
+        peer.start_sender()
         receivers.append(threading.Thread(target=core.receive, args=(peer,), daemon=True,
                                           name=f"enginesmith-core-receiver-{peer.index}"))
         receivers[-1].start()
@@ -296,6 +377,9 @@ def main(argv: list[str]) -> int:
             thread.join(max(0.0, deadline - time.monotonic()))
         core.loop.close()
         core.flush()
+        deadline = time.monotonic() + FRONT_END_GONE_WAIT_S
+        for peer in core.peers:
+            peer.flush_posted(deadline)
         return 0
     return core.free_and_exit()
 

@@ -6,6 +6,7 @@ paged CPU engine.
     page held; a flood through two clients at once stays within max_waiting + N - 1 waiting;
   - a connection that goes away mid-request: the core cancels its requests, their pages come back, the
     other connections serve on;
+  - a connection that stops reading stalls no other one, and the core closes it after its stall timeout;
   - `serve --front-ends 2`: concurrent answers equal the oracle's and come from both front ends (the
     X-Enginesmith-Front-End header); /metrics of either gives the same engine figures; SIGTERM drains the
     streams of both and stops the core;
@@ -139,6 +140,27 @@ def test_a_connection_that_goes_away_gives_its_pages_back(engine):  # noqa: F811
         assert len(tokens) == 4 and end == ("done", "length", None)
     finally:
         close_all(cs)
+
+
+def test_a_connection_that_stops_reading_stalls_no_one_and_is_closed(engine, capfd):  # noqa: F811
+    """Front end 1 connected but never reads (a wedged process): its frames, one per step, would fill its
+    socket's buffer after ~1,000 steps and block the core's loop thread. Front end 0's 1,800 steps finish
+    regardless, and the core closes the silent connection once a send has waited `stall_timeout`."""
+    first = CoreClient.start(CoreSpec(str(engine), "cpu", threads=1, max_batch=MAX_BATCH, num_pages=PAGES,
+                                      chunk=CHUNK, stall_timeout=2.0), max_waiting=64, timeout=60, front_ends=2)
+    silent = first.spare.pop()  # front end 1's end: never read
+    try:
+        handles = [first.submit([1 + i, 2, 3], 300) for i in range(24)]  # 6 rounds of MAX_BATCH 4
+        got = [collect(h, timeout=30) for h in handles]
+        assert all(len(tokens) == 300 and end == ("done", "length", None) for tokens, end in got)
+        silent.settimeout(30)
+        while silent.recv(1 << 20):  # what was sent before the core gave up, then EOF: closed
+            pass
+        assert settled(first)
+        assert "front end 1 has not read its connection for 2 s; closing it" in capfd.readouterr().err
+    finally:
+        silent.close()
+        close_all([first])
 
 
 # ----------------------------------------------------------------------------- serve --front-ends N

@@ -141,7 +141,8 @@ class Peer:
         self.gone = False                  # EOF, a failed send, a stall, or "close"
         self.sending_since: float | None = None  # monotonic start of the send in progress
         self._closed = False
-        self._pending: tuple | None = None  # (events, stats, ttft, itl) posted, not sent yet
+        self._pending: tuple | None = None  # (events, stats, ttft, itl) posted, not taken by the sender yet
+        self._busy = False                  # the sender holds a frame it has not finished sending
         self._wake = threading.Condition()
         self._sender: threading.Thread | None = None
 
@@ -166,9 +167,12 @@ class Peer:
         with self._wake:
             if self._pending is None:
                 self._pending = (list(events), stats, list(ttft), list(itl))
-            else:
+            else:  # its lists are our own copies: extended in place
                 queued_events, _, queued_ttft, queued_itl = self._pending
-                self._pending = (queued_events + events, stats, queued_ttft + ttft, queued_itl + itl)
+                queued_events += events
+                queued_ttft += ttft
+                queued_itl += itl
+                self._pending = (queued_events, stats, queued_ttft, queued_itl)
             self._wake.notify()
 
     def _send_posted(self) -> None:
@@ -178,12 +182,15 @@ class Peer:
                     self._wake.wait()
                 if self._pending is None:
                     return
-                frame, self._pending = self._pending, None
+                frame, self._pending, self._busy = self._pending, None, True
             try:
                 self.send(("step", *frame))
             except OSError:  # that front end is gone: its receiver sees the EOF and cancels its requests
                 self.gone = True
                 return
+            finally:
+                with self._wake:
+                    self._busy = False
 
     def stalled(self, timeout: float) -> bool:
         since = self.sending_since
@@ -207,7 +214,7 @@ class Peer:
         """Wait (until `deadline`) for the sender to send what was posted: the core is about to exit."""
         while self._sender is not None and self._sender.is_alive() and time.monotonic() < deadline:
             with self._wake:
-                if self._pending is None and self.sending_since is None:
+                if self._pending is None and not self._busy:
                     return
             time.sleep(0.005)
 

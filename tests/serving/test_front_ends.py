@@ -19,12 +19,14 @@ Every process a test starts is stopped by PID; every wait is bounded.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -140,6 +142,32 @@ def test_a_connection_that_goes_away_gives_its_pages_back(engine):  # noqa: F811
         assert len(tokens) == 4 and end == ("done", "length", None)
     finally:
         close_all(cs)
+
+
+def test_frames_a_front_end_has_not_taken_merge_into_one():
+    from multiprocessing.connection import Connection
+
+    from enginesmith.serving.engine_core import Peer
+
+    ours, theirs = socket.socketpair()
+    peer, reader = Peer(1, Connection(os.dup(ours.fileno()))), Connection(os.dup(theirs.fileno()))
+    ours.close()
+    theirs.close()
+    try:
+        peer.post([("a", ("token", 1))], (1,), [0.1], [])
+        peer.post([("b", ("token", 2))], (2,), [], [0.01])
+        peer.post([], (3,), [], [0.02])  # posted before the sender runs: one frame, the last stats
+        peer.start_sender()
+        assert reader.poll(10)
+        assert pickle.loads(reader.recv_bytes()) == (
+            "step", [("a", ("token", 1)), ("b", ("token", 2))], (3,), [0.1], [0.01, 0.02])
+        peer.post([("a", ("done", "length", None))], (4,), [], [])
+        assert reader.poll(10) and pickle.loads(reader.recv_bytes())[1:3] == ([("a", ("done", "length", None))], (4,))
+        peer.flush_posted(time.monotonic() + 5)
+        assert not reader.poll(0.2)  # nothing else was posted
+    finally:
+        peer.close()
+        reader.close()
 
 
 def test_a_connection_that_stops_reading_stalls_no_one_and_is_closed(engine, capfd):  # noqa: F811

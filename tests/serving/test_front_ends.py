@@ -171,21 +171,26 @@ def test_frames_a_front_end_has_not_taken_merge_into_one():
 
 
 def test_a_connection_that_stops_reading_stalls_no_one_and_is_closed(engine, capfd):  # noqa: F811
-    """Front end 1 connected but never reads (a wedged process): its frames, one per step, would fill its
-    socket's buffer after ~1,000 steps and block the core's loop thread. Front end 0's 1,800 steps finish
-    regardless, and the core closes the silent connection once a send has waited `stall_timeout`."""
+    """Front end 1 connected but never reads (a wedged process). Its frames, one per step, filled its socket's
+    buffer after ~1,000 steps and blocked the core's loop thread (24 requests of 300 tokens never ended).
+    Now front end 0's requests end regardless, and once a send to front end 1 has waited `stall_timeout`
+    (its buffer full: more rounds until then, as unsent frames merge), the core closes that connection."""
     first = CoreClient.start(CoreSpec(str(engine), "cpu", threads=1, max_batch=MAX_BATCH, num_pages=PAGES,
                                       chunk=CHUNK, stall_timeout=2.0), max_waiting=64, timeout=60, front_ends=2)
     silent = first.spare.pop()  # front end 1's end: never read
+    said, line = "", "front end 1 has not read its connection for 2 s; closing it"
     try:
-        handles = [first.submit([1 + i, 2, 3], 300) for i in range(24)]  # 6 rounds of MAX_BATCH 4
-        got = [collect(h, timeout=30) for h in handles]
-        assert all(len(tokens) == 300 and end == ("done", "length", None) for tokens, end in got)
+        deadline = time.monotonic() + 90
+        while line not in said and time.monotonic() < deadline:
+            handles = [first.submit([1 + i, 2, 3], 300) for i in range(24)]  # 6 rounds of MAX_BATCH 4
+            got = [collect(h, timeout=30) for h in handles]
+            assert all(len(tokens) == 300 and end == ("done", "length", None) for tokens, end in got)
+            said += capfd.readouterr().err
+        assert line in said, said
         silent.settimeout(30)
         while silent.recv(1 << 20):  # what was sent before the core gave up, then EOF: closed
             pass
         assert settled(first)
-        assert "front end 1 has not read its connection for 2 s; closing it" in capfd.readouterr().err
     finally:
         silent.close()
         close_all([first])

@@ -34,7 +34,7 @@ template <int MT, bool SW>
 __global__ void __launch_bounds__(kWarps * 32) gemm_q4_kernel(GemvProblem p, const __half* x, float* partial,
                                                                int chunks_per_split) {
   constexpr int NW = SW ? 2 : 1;
-  __shared__ uint32_t xs[MT * 16 * kRowWords];
+  __shared__ __align__(16) uint32_t xs[MT * 16 * kRowWords];  // read as uint2: 8-byte aligned at least
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * kBlockN + warp * 16;
@@ -157,6 +157,8 @@ cudaError_t launch_tiles(const GemvProblem& p, const __half* x, float* partial, 
   gemm_q4_kernel<MT, SW><<<grid, kWarps * 32, 0, stream>>>(p, x, partial, per);
   return cudaGetLastError();
 }
+
+static_assert(kGemmQ4MaxRows <= 4 * 16, "launch_rows instantiates at most 4 m16 tiles");
 
 template <bool SW>
 cudaError_t launch_rows(const GemvProblem& p, const __half* x, float* partial, int splits, cudaStream_t stream) {

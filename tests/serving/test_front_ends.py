@@ -18,6 +18,7 @@ Every process a test starts is stopped by PID; every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -251,16 +253,24 @@ def close(response) -> None:
     response.client.close()
 
 
-@pytest.fixture(scope="module")
-def two(engine, tmp_path_factory):  # noqa: F811
-    s = Server(tmp_path_factory.mktemp("fronts"), engine, "--front-ends", "2", env={"ENGINESMITH_API_KEY": KEY})
-    pids = []
+@contextlib.contextmanager
+def two_front_ends(engine, tmp: Path):  # noqa: F811
+    """`serve --front-ends 2` ready: (the server, the core's PID, front end 1's PID); all stopped by PID after."""
+    s = Server(tmp, engine, "--front-ends", "2", env={"ENGINESMITH_API_KEY": KEY})
+    pids: list[int] = []
     try:
         s.wait_ready()
-        pids = [core_pid(s), *workers(s, 1).values()]
-        yield s
+        core, worker = core_pid(s), workers(s, 1)[1]
+        pids += [core, worker]
+        yield s, core, worker
     finally:
         stop_all(s, pids)
+
+
+@pytest.fixture(scope="module")
+def two(engine, tmp_path_factory):  # noqa: F811
+    with two_front_ends(engine, tmp_path_factory.mktemp("fronts")) as (s, _, _):
+        yield s
     assert "Traceback" not in s.err.read_text()
 
 
@@ -296,11 +306,7 @@ def test_every_front_end_reports_the_same_engine_figures(two):
 
 
 def test_sigterm_drains_the_streams_of_every_front_end(engine, tmp_path):  # noqa: F811
-    s = Server(tmp_path, engine, "--front-ends", "2", env={"ENGINESMITH_API_KEY": KEY})
-    pids = []
-    try:
-        s.wait_ready()
-        pids = [core_pid(s), *workers(s, 1).values()]
+    with two_front_ends(engine, tmp_path) as (s, core, worker):
         with httpx.Client(timeout=60) as http:
             streams = streams_on_both(s)
             assert {front for _, _, front in streams} == {"0", "1"}, [f for _, _, f in streams]
@@ -311,19 +317,12 @@ def test_sigterm_drains_the_streams_of_every_front_end(engine, tmp_path):  # noq
                 assert rest[-1] == "data: [DONE]" and not any("error" in line for line in rest)
                 close(response)
         assert s.proc.wait(timeout=60) == 0, s.err.read_text()
-        assert wait_for(lambda: not any(running(pid) for pid in pids), timeout=15)
-    finally:
-        stop_all(s, pids)
+        assert wait_for(lambda: not any(running(pid) for pid in (core, worker)), timeout=15)
     assert "Traceback" not in s.err.read_text()
 
 
 def test_a_killed_front_end_gives_its_pages_back_and_stops_the_server(engine, tmp_path):  # noqa: F811
-    s = Server(tmp_path, engine, "--front-ends", "2", env={"ENGINESMITH_API_KEY": KEY})
-    pids = []
-    try:
-        s.wait_ready()
-        core, worker = core_pid(s), workers(s, 1)[1]
-        pids = [core, worker]
+    with two_front_ends(engine, tmp_path) as (s, core, worker):
         mine = []
         for _ in range(5):  # streams on front end 1 only (those on 0 closed at once: they are cancelled)
             with ThreadPoolExecutor(6) as pool:
@@ -347,17 +346,10 @@ def test_a_killed_front_end_gives_its_pages_back_and_stops_the_server(engine, tm
         assert "Traceback" not in err
         for response in mine:
             close(response)
-    finally:
-        stop_all(s, pids)
 
 
 def test_a_killed_core_ends_the_streams_of_every_front_end(engine, tmp_path):  # noqa: F811
-    s = Server(tmp_path, engine, "--front-ends", "2", env={"ENGINESMITH_API_KEY": KEY})
-    pids = []
-    try:
-        s.wait_ready()
-        core, worker = core_pid(s), workers(s, 1)[1]
-        pids = [core, worker]
+    with two_front_ends(engine, tmp_path) as (s, core, worker):
         streams = streams_on_both(s)
         assert {front for _, _, front in streams} == {"0", "1"}
         os.kill(core, signal.SIGKILL)
@@ -372,8 +364,6 @@ def test_a_killed_core_ends_the_streams_of_every_front_end(engine, tmp_path):  #
             "with an error"], err
         assert wait_for(lambda: not running(worker), timeout=15)
         assert "Traceback" not in err
-    finally:
-        stop_all(s, pids)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -169,11 +169,15 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
     return type("GuardedHTTPProtocol", (_Guard, AutoHTTPProtocol), {"limits": limits})
 
 
-def drain_connections(server_state) -> None:
+def begin_drain(server, stop_listening: bool = False) -> None:
     """A uvicorn server that begins to drain: close its idle connections and those sending a body (a
     half-sent body would otherwise hold its task until shutdown cancels it); give those still sending
-    their head DRAIN_HEAD_GRACE_S at most (see _Guard.drain)."""
-    for conn in list(server_state.connections):
+    their head DRAIN_HEAD_GRACE_S at most (see _Guard.drain). With stop_listening, a process that shares
+    its listening socket with others first closes its own copy of it, so that the others accept."""
+    if stop_listening:
+        for listener in server.servers:
+            listener.close()
+    for conn in list(server.server_state.connections):
         if isinstance(conn, _Guard):
             conn.drain()
 

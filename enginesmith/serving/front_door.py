@@ -47,7 +47,7 @@ from starlette.routing import Route
 from enginesmith.serving.metrics import PREFIX
 from enginesmith.serving.openai_api import DRAIN_RETRY_AFTER_S, MAX_BODY_BYTES
 from enginesmith.serving.http_guard import api_error, check_api_key, http_error, read_body, send_until_disconnect
-from enginesmith.serving.conn_guard import (DRAIN_HEAD_GRACE_S, ConnectionLimits, drain_connections, heads_pending,
+from enginesmith.serving.conn_guard import (DRAIN_HEAD_GRACE_S, ConnectionLimits, begin_drain, heads_pending,
                                             install_accept_error_log, settle_heads)
 from enginesmith.serving.http_server import AnnouncingServer
 from enginesmith.serving.openai_protocol import ApiError, error_body
@@ -351,7 +351,7 @@ class FrontDoorServer(AnnouncingServer):
     async def _stop(self) -> None:
         door, replicas = self.door, self.replicas
         door.begin_drain()
-        drain_connections(self.server_state)  # idle ones and half-sent bodies: nothing to wait for
+        begin_drain(self)  # idle connections and half-sent bodies: nothing to wait for
         self.workers.drain()  # they answer 503 to new requests and exit once their relays are done
         replicas.terminate()
         passed_on = self.signals
@@ -399,9 +399,7 @@ class WorkerServer(uvicorn.Server):
             self.door.begin_drain()
         if self.door.draining and self._drain_started is None:
             self._drain_started = time.monotonic()
-            for listener in self.servers:
-                listener.close()  # this process's copy of the shared socket
-            drain_connections(self.server_state)
+            begin_drain(self, stop_listening=True)  # worker 0 takes the new connections
         if self.door.draining and not self.door.board.in_flight_of(self.door.worker) and (
                 not heads_pending(self.server_state) or time.monotonic() > self._drain_started + DRAIN_HEAD_GRACE_S):
             self.should_exit = True

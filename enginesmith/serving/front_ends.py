@@ -42,7 +42,7 @@ from pathlib import Path
 
 import uvicorn
 
-from enginesmith.serving.conn_guard import ConnectionLimits, settle_heads
+from enginesmith.serving.conn_guard import ConnectionLimits, begin_drain, settle_heads
 from enginesmith.serving.core_client import CoreClient
 from enginesmith.serving.door_workers import DoorWorkers
 from enginesmith.serving.http_server import DrainingServer
@@ -170,7 +170,7 @@ class SupervisorServer(DrainingServer):
         loop, workers = self.batcher_loop, self.workers
         loop.drain(timeout=0)
         workers.drain()  # SIGTERM: each drains its own streams, for at most the same drain timeout
-        self.begin_drain_connections()
+        begin_drain(self, self.stops_listening)
         deadline = time.monotonic() + self.drain_timeout
         passed_on = self.signals
         while time.monotonic() < deadline + WORKER_GRACE_S:

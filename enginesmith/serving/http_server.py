@@ -22,8 +22,7 @@ import time
 
 import uvicorn
 
-from enginesmith.serving.conn_guard import (ConnectionLimits, drain_connections, install_accept_error_log,
-                                            settle_heads)
+from enginesmith.serving.conn_guard import ConnectionLimits, begin_drain, install_accept_error_log, settle_heads
 
 
 class AnnouncingServer(uvicorn.Server):
@@ -77,7 +76,7 @@ class DrainingServer(AnnouncingServer):
     async def _drain(self) -> None:
         loop = self.batcher_loop
         loop.drain(timeout=0)  # takes no more requests; returns at once
-        self.begin_drain_connections()
+        begin_drain(self, self.stops_listening)
         deadline = time.monotonic() + self.drain_timeout
         while loop.in_flight and time.monotonic() < deadline and self.signals < 2:
             await asyncio.sleep(0.05)
@@ -86,12 +85,6 @@ class DrainingServer(AnnouncingServer):
             await asyncio.to_thread(loop.close)
         await settle_heads(self.server_state)
         self.should_exit = True
-
-    def begin_drain_connections(self) -> None:
-        if self.stops_listening:
-            for listener in self.servers:
-                listener.close()  # this process's copy of the shared socket: the others accept
-        drain_connections(self.server_state)
 
 
 def serve(app, api, loop, host: str, port: int, drain_timeout: float, summary: str, log_level: str = "warning",
